@@ -1,0 +1,120 @@
+"""Builds the model on its device and fills it from safetensors shards or with dummy weights.
+
+Shards stream one tensor at a time (read to host, copied into its final, possibly fused,
+parameter), so loading never holds a second copy of the model.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import zlib
+from collections.abc import Iterator
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from vllm.logger import init_logger
+from vllm.model_executor.models.mllama import MllamaForConditionalGeneration
+from vllm.model_executor.models.mllama_weights import WeightLoadError, load_weights
+from vllm.transformers_utils.config import MllamaSpec
+
+logger = init_logger(__name__)
+
+INDEX_FILE = "model.safetensors.index.json"
+LOAD_FORMATS = ("auto", "safetensors", "dummy")
+
+
+def safetensors_files(model_dir: Path) -> list[Path]:
+    """The shard files of a checkpoint, checked against the index when there is one."""
+    index = model_dir / INDEX_FILE
+    if index.is_file():
+        try:
+            weight_map = json.loads(index.read_text())["weight_map"]
+        except (json.JSONDecodeError, KeyError, TypeError) as e:
+            raise WeightLoadError(f"{index}: not a valid safetensors index ({e})") from e
+        files = sorted({model_dir / f for f in weight_map.values()})
+        for f in files:
+            if not f.is_file():
+                names = [n for n, s in weight_map.items() if model_dir / s == f]
+                raise WeightLoadError(
+                    f"{f}: shard listed in {INDEX_FILE} is missing (holds {names[0]!r}"
+                    f"{f' and {len(names) - 1} more' if len(names) > 1 else ''})")
+        return files
+    files = sorted(model_dir.glob("*.safetensors"))
+    if not files:
+        raise WeightLoadError(f"{model_dir}: no *.safetensors files (use load_format='dummy' "
+                              "to run with random weights)")
+    return files
+
+
+def iterate_safetensors(files: list[Path]) -> Iterator[tuple[str, torch.Tensor, str]]:
+    """Yields (name, tensor, file) one tensor at a time; corrupt files raise with their name."""
+    from safetensors import SafetensorError, safe_open
+
+    for f in files:
+        try:
+            with safe_open(str(f), framework="pt", device="cpu") as handle:
+                for name in handle.keys():  # noqa: SIM118 (safe_open is not a dict)
+                    yield name, handle.get_tensor(name), str(f)
+        except SafetensorError as e:
+            raise WeightLoadError(f"{f}: cannot read safetensors file ({e})") from e
+        except OSError as e:
+            raise WeightLoadError(f"{f}: cannot read file ({e})") from e
+
+
+def _dummy_std(name: str, param: torch.Tensor) -> float:
+    if param.dim() >= 2:
+        fan_in = math.prod(param.shape[1:])
+        return 1.0 / math.sqrt(fan_in)
+    return 0.02
+
+
+@torch.no_grad()
+def initialize_dummy_weights(model: nn.Module, seed: int = 0) -> None:
+    """Random weights for performance work: scaled normal matrices, norms near 1, non-zero
+    gates (so images influence the text), deterministic for a seed on a given device."""
+    gen = torch.Generator(device="cpu").manual_seed(seed)
+    for name, p in model.named_parameters():
+        last = name.rsplit(".", 1)[-1]
+        if last.endswith("gate") or last in ("gate_attn", "gate_ffn"):
+            values = torch.rand(p.shape, generator=gen) * 1.5 + 0.25
+        elif "norm" in name and last == "weight":
+            values = 1.0 + 0.1 * torch.randn(p.shape, generator=gen)
+        elif last == "bias" or "norm" in name:
+            values = 0.02 * torch.randn(p.shape, generator=gen)
+        else:
+            values = None
+        if values is not None:
+            p.copy_(values)
+            continue
+        # Large matrices: draw on the device in one call (fast for the 11B shape).
+        dev_gen = torch.Generator(device=p.device).manual_seed(seed * 1_000_003 + zlib.crc32(name.encode()))
+        p.normal_(0.0, _dummy_std(name, p), generator=dev_gen)
+
+
+def get_model(spec: MllamaSpec, model_dir: Path | None, load_format: str, dtype: torch.dtype,
+              device: torch.device, max_position: int, seed: int = 0
+              ) -> MllamaForConditionalGeneration:
+    """Constructs the model directly on ``device`` in ``dtype`` and loads its weights."""
+    if load_format not in LOAD_FORMATS:
+        raise ValueError(f"load_format must be one of {LOAD_FORMATS}, got {load_format!r}")
+    old_dtype = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        with torch.device(device):
+            model = MllamaForConditionalGeneration(spec, max_position=max_position)
+    finally:
+        torch.set_default_dtype(old_dtype)
+    model.eval()
+    if load_format == "dummy":
+        initialize_dummy_weights(model, seed)
+        logger.info("Initialised dummy weights (seed %d)", seed)
+    else:
+        assert model_dir is not None
+        files = safetensors_files(model_dir)
+        with torch.no_grad():
+            load_weights(model, iterate_safetensors(files), source=str(model_dir))
+        logger.info("Loaded %d safetensors file(s) from %s", len(files), model_dir)
+    return model

@@ -1,0 +1,188 @@
+"""Llama 3.2 Vision (``MllamaForConditionalGeneration``): text decoder, projector, top level.
+
+Semantics follow Meta's reference (see DESIGN.md): cross-attention layers gate both branches by
+tanh and zero both branches for text tokens that see no image (the per-token row mask). The
+forward reads per-step :class:`~vllm.attention.metadata.AttentionMetadata` from the forward
+context; the skip of the cross layers is decided from the host integer ``max_encoder_seq_len``.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from vllm.attention.layer import Attention, CrossAttention
+from vllm.forward_context import get_attention_metadata
+from vllm.model_executor.layers.activation import SiluAndMul
+from vllm.model_executor.layers.layernorm import RMSNorm
+from vllm.model_executor.layers.linear import Linear, MergedLinear
+from vllm.model_executor.layers.rotary_embedding import RotaryEmbedding
+from vllm.model_executor.models.mllama_vision import MllamaVisionModel
+from vllm.transformers_utils.config import MllamaSpec, TextSpec
+
+
+class LlamaMLP(nn.Module):
+    def __init__(self, spec: TextSpec) -> None:
+        super().__init__()
+        i = spec.intermediate_size
+        self.gate_up_proj = MergedLinear(spec.hidden_size, [i, i], ["gate", "up"])
+        self.down_proj = Linear(i, spec.hidden_size)
+        self.act = SiluAndMul()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self.act(self.gate_up_proj(x)))
+
+
+class LlamaSelfAttention(nn.Module):
+    def __init__(self, spec: TextSpec, rotary: RotaryEmbedding) -> None:
+        super().__init__()
+        hq, hkv, d = spec.num_attention_heads, spec.num_key_value_heads, spec.head_dim
+        self.qkv_proj = MergedLinear(spec.hidden_size, [hq * d, hkv * d, hkv * d],
+                                     ["q", "k", "v"])
+        self.o_proj = Linear(hq * d, spec.hidden_size)
+        self.attn = Attention(hq, hkv, d)
+        self.rotary = [rotary]  # shared; kept out of the module tree
+
+    def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        q, k, v = self.qkv_proj.split(self.qkv_proj(x))
+        q, k = self.rotary[0](positions, q, k)
+        return self.o_proj(self.attn(q, k, v))
+
+
+class LlamaDecoderLayer(nn.Module):
+    """A Llama 3.1 block: pre-norm self-attention and SwiGLU MLP with residuals."""
+
+    def __init__(self, spec: TextSpec, rotary: RotaryEmbedding) -> None:
+        super().__init__()
+        self.self_attn = LlamaSelfAttention(spec, rotary)
+        self.mlp = LlamaMLP(spec)
+        self.input_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
+
+    def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.self_attn(positions, self.input_layernorm(x))
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class MllamaCrossAttention(nn.Module):
+    """Text queries attend to vision keys; q and k get per-head RMS norms, no RoPE."""
+
+    def __init__(self, spec: TextSpec) -> None:
+        super().__init__()
+        hq, hkv, d = spec.num_attention_heads, spec.num_key_value_heads, spec.head_dim
+        self.num_heads, self.num_kv_heads, self.head_dim = hq, hkv, d
+        self.q_proj = Linear(spec.hidden_size, hq * d)
+        self.kv_proj = MergedLinear(spec.hidden_size, [hkv * d, hkv * d], ["k", "v"])
+        self.o_proj = Linear(hq * d, spec.hidden_size)
+        self.q_norm = RMSNorm(d, spec.rms_norm_eps)
+        self.k_norm = RMSNorm(d, spec.rms_norm_eps)
+        self.attn = CrossAttention(hq, hkv, d)
+
+    def forward(self, x: torch.Tensor, vision: torch.Tensor | None) -> torch.Tensor:
+        t = x.shape[0]
+        q = self.q_norm(self.q_proj(x).view(t, self.num_heads, self.head_dim))
+        k = v = None
+        if vision is not None:
+            k, v = self.kv_proj.split(self.kv_proj(vision))
+            k = self.k_norm(k.reshape(-1, self.num_kv_heads, self.head_dim))
+        return self.o_proj(self.attn(q.reshape(t, -1), k, v))
+
+
+class MllamaCrossAttentionDecoderLayer(nn.Module):
+    """Gated cross-attention block; rows that see no image get neither branch."""
+
+    def __init__(self, spec: TextSpec) -> None:
+        super().__init__()
+        self.cross_attn = MllamaCrossAttention(spec)
+        self.input_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
+        self.cross_attn_attn_gate = nn.Parameter(torch.zeros(1), requires_grad=False)
+        self.mlp = LlamaMLP(spec)
+        self.post_attention_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
+        self.cross_attn_mlp_gate = nn.Parameter(torch.zeros(1), requires_grad=False)
+
+    def forward(self, x: torch.Tensor, vision: torch.Tensor | None,
+                row_mask: torch.Tensor) -> torch.Tensor:
+        # row_mask: [T, 1] bool. torch.where, not a multiply: a NaN in a masked row stays out.
+        h = self.cross_attn(self.input_layernorm(x), vision)
+        h = torch.where(row_mask, h, torch.zeros_like(h))
+        x = x + self.cross_attn_attn_gate.tanh() * h
+        h = self.mlp(self.post_attention_layernorm(x))
+        h = torch.where(row_mask, h, torch.zeros_like(h))
+        return x + self.cross_attn_mlp_gate.tanh() * h
+
+
+class MllamaTextModel(nn.Module):
+    def __init__(self, spec: TextSpec, max_position: int) -> None:
+        super().__init__()
+        self.spec = spec
+        self.embed_tokens = nn.Embedding(spec.num_embeddings, spec.hidden_size)
+        self.embed_tokens.weight.requires_grad_(False)
+        self.rotary = RotaryEmbedding(spec.head_dim, max_position, spec.rope)
+        cross = set(spec.cross_attention_layers)
+        self.layers = nn.ModuleList(
+            MllamaCrossAttentionDecoderLayer(spec) if i in cross
+            else LlamaDecoderLayer(spec, self.rotary)
+            for i in range(spec.num_hidden_layers))
+        self.norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                vision: torch.Tensor | None) -> torch.Tensor:
+        md = get_attention_metadata()
+        x = self.embed_tokens(input_ids)
+        skip_cross = md.skip_cross_attention
+        row_mask = None if skip_cross else md.cross_row_mask()
+        for layer in self.layers:
+            if isinstance(layer, MllamaCrossAttentionDecoderLayer):
+                if skip_cross:
+                    continue
+                x = layer(x, vision, row_mask)
+            else:
+                x = layer(positions, x)
+        return self.norm(x)
+
+
+class MllamaForCausalLM(nn.Module):
+    def __init__(self, spec: TextSpec, max_position: int) -> None:
+        super().__init__()
+        self.model = MllamaTextModel(spec, max_position)
+        self.lm_head = Linear(spec.hidden_size, spec.vocab_size)
+
+
+class MllamaForConditionalGeneration(nn.Module):
+    """The whole model. Parameter names follow the hub checkpoint except the fused projections
+    (``qkv_proj``, ``gate_up_proj``, cross ``kv_proj``); see ``mllama_weights.py``."""
+
+    def __init__(self, spec: MllamaSpec, max_position: int | None = None) -> None:
+        super().__init__()
+        self.spec = spec
+        max_position = max_position or spec.text.max_position_embeddings
+        self.vision_model = MllamaVisionModel(spec.vision)
+        self.multi_modal_projector = Linear(spec.vision.vision_output_dim, spec.text.hidden_size,
+                                            bias=True)
+        self.language_model = MllamaForCausalLM(spec.text, max_position)
+
+    def encode_images(self, pixel_values: torch.Tensor, aspect_ratio_ids: torch.Tensor,
+                      num_tiles: list[int]) -> torch.Tensor:
+        """-> projected vision tokens of all images, packed: [sum(num_tiles) * P, H_text]."""
+        features = self.vision_model(pixel_values, aspect_ratio_ids, num_tiles)
+        return self.multi_modal_projector(features)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                cross_attention_states: torch.Tensor | None = None) -> torch.Tensor:
+        """input_ids/positions [T] -> final hidden states [T, H]. ``cross_attention_states`` are
+        this prefill step's packed vision tokens (None in decode)."""
+        return self.language_model.model(input_ids, positions, cross_attention_states)
+
+    def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        """[N, H] -> float32 logits [N, vocab]."""
+        return self.language_model.lm_head(hidden_states).float()
+
+    def attention_layers(self) -> tuple[list[Attention], list[CrossAttention]]:
+        """Self and cross attention layers in layer order (the cache engine binds their pages)."""
+        selfs, crosses = [], []
+        for layer in self.language_model.model.layers:
+            if isinstance(layer, MllamaCrossAttentionDecoderLayer):
+                crosses.append(layer.cross_attn.attn)
+            else:
+                selfs.append(layer.self_attn.attn)
+        return selfs, crosses

@@ -1,0 +1,194 @@
+"""Turns a prompt (text or token ids, plus images) into what the engine schedules and runs.
+
+Images go through the checkpoint's Mllama image processor (resize to the best tile canvas, pad,
+normalise, split into tiles, pack at the maximum tile count). Which images each token sees is
+kept as runs over image indices (``cross_attention.py``), turned into vision-token ranges once
+the tile counts are known.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from vllm.multimodal.cross_attention import (
+    ImageRun,
+    count_image_tokens,
+    image_runs,
+    last_group,
+)
+from vllm.transformers_utils.config import MllamaSpec
+
+
+@dataclass
+class ImageInputs:
+    """A request's images, processed. pixel_values: [N, max_tiles, C, S, S] float32."""
+
+    pixel_values: torch.Tensor
+    aspect_ratio_ids: torch.Tensor  # [N] int64 (1-based; 0 is never used here)
+    num_tiles: list[int]
+
+    @property
+    def num_images(self) -> int:
+        return len(self.num_tiles)
+
+
+@dataclass
+class ProcessedInputs:
+    """A validated request input: token ids, images and the token -> image visibility."""
+
+    prompt_token_ids: list[int]
+    images: ImageInputs | None = None
+    runs: list[ImageRun] = field(default_factory=list)
+    last_group: tuple[int, int] | None = None
+    prompt: str | None = None
+    tokens_per_tile: int = 0
+
+    def image_token_offsets(self) -> list[int]:
+        """Start of each image in the request's packed vision tokens (plus the total)."""
+        offsets = [0]
+        for nt in self.images.num_tiles if self.images else []:
+            offsets.append(offsets[-1] + nt * self.tokens_per_tile)
+        return offsets
+
+    @property
+    def num_vision_tokens(self) -> int:
+        return self.image_token_offsets()[-1]
+
+    @property
+    def cached_vision_range(self) -> tuple[int, int]:
+        """[start, end) of the last image group in the packed vision tokens (what is cached)."""
+        if self.last_group is None:
+            return 0, 0
+        offsets = self.image_token_offsets()
+        return offsets[self.last_group[0]], offsets[self.last_group[1]]
+
+    @property
+    def encoder_seq_len(self) -> int:
+        start, end = self.cached_vision_range
+        return end - start
+
+    @property
+    def num_images(self) -> int:
+        return self.images.num_images if self.images else 0
+
+
+def _as_image_list(data: Any) -> list[Any]:
+    from PIL import Image
+
+    images = data if isinstance(data, (list, tuple)) else [data]
+    for i, img in enumerate(images):
+        if not isinstance(img, Image.Image):
+            raise ValueError(f"multi_modal_data['image'][{i}] must be a PIL.Image.Image, "
+                             f"got {type(img).__name__}")
+    return list(images)
+
+
+class MllamaInputProcessor:
+    """Tokenises prompts, processes images and validates the pair against the model."""
+
+    def __init__(self, spec: MllamaSpec, tokenizer: Any, image_processor: Any,
+                 limit_images: int, max_model_len: int) -> None:
+        self.spec = spec
+        self.tokenizer = tokenizer
+        self.image_processor = image_processor
+        self.limit_images = limit_images
+        self.max_model_len = max_model_len
+
+    def process_images(self, images: Sequence[Any]) -> ImageInputs:
+        out = self.image_processor(images=[list(images)], return_tensors="pt")
+        num_tiles = [int(n) for n in out["num_tiles"][0]]
+        return ImageInputs(
+            pixel_values=out["pixel_values"][0].float(),
+            aspect_ratio_ids=out["aspect_ratio_ids"][0].long(),
+            num_tiles=num_tiles,
+        )
+
+    def tokenize(self, text: str) -> list[int]:
+        return list(self.tokenizer(text, add_special_tokens=True)["input_ids"])
+
+    def build(self, token_ids: list[int], images: Sequence[Any] | None,
+              prompt: str | None = None) -> ProcessedInputs:
+        """Validates ids against images and limits; processes the images."""
+        spec = self.spec
+        if not token_ids:
+            raise ValueError("The prompt is empty.")
+        bad = [t for t in token_ids if not 0 <= t < spec.text.num_embeddings]
+        if bad:
+            raise ValueError(f"Token id {bad[0]} is out of vocabulary "
+                             f"(valid ids are 0..{spec.text.num_embeddings - 1}).")
+        if len(token_ids) >= self.max_model_len:
+            raise ValueError(
+                f"The prompt is {len(token_ids)} tokens long, which leaves no room to generate "
+                f"within this model's maximum context length of {self.max_model_len} tokens.")
+        images = list(images or [])
+        if len(images) > self.limit_images:
+            raise ValueError(
+                f"You set image={self.limit_images} (or defaulted to 1) in "
+                f"`--limit-mm-per-prompt`, but passed {len(images)} image items in the same "
+                "prompt.")
+        n_tokens = count_image_tokens(token_ids, spec.image_token_id)
+        if n_tokens != len(images):
+            raise ValueError(f"The number of image tokens ({n_tokens}) must be the same as the "
+                             f"number of images ({len(images)})")
+        image_inputs = self.process_images(images) if images else None
+        return ProcessedInputs(
+            prompt_token_ids=token_ids,
+            images=image_inputs,
+            runs=image_runs(token_ids, spec.image_token_id),
+            last_group=last_group(token_ids, spec.image_token_id),
+            prompt=prompt,
+            tokens_per_tile=spec.vision.tokens_per_tile,
+        )
+
+    def process(self, prompt: Any) -> ProcessedInputs:
+        """vLLM prompt forms: a string; ``{"prompt": str}`` or ``{"prompt_token_ids": [...]}``
+        with optional ``multi_modal_data={"image": img | [img, ...]}``; or an explicit
+        ``{"encoder_prompt": ..., "decoder_prompt": ...}`` pair."""
+        if isinstance(prompt, str):
+            return self.build(self.tokenize(prompt), None, prompt)
+        if not isinstance(prompt, dict):
+            raise TypeError(f"prompt must be a str or a dict, got {type(prompt).__name__}")
+        if "encoder_prompt" in prompt or "decoder_prompt" in prompt:
+            return self._process_explicit(prompt)
+        images = self._images_of(prompt)
+        if "prompt_token_ids" in prompt:
+            ids = [int(t) for t in prompt["prompt_token_ids"]]
+            return self.build(ids, images, prompt.get("prompt"))
+        if "prompt" in prompt:
+            return self.build(self.tokenize(prompt["prompt"]), images, prompt["prompt"])
+        raise ValueError("prompt dict needs 'prompt' or 'prompt_token_ids'")
+
+    @staticmethod
+    def _images_of(prompt: dict[str, Any]) -> list[Any]:
+        mm = prompt.get("multi_modal_data") or {}
+        unknown = set(mm) - {"image"}
+        if unknown:
+            raise ValueError(f"multi_modal_data: unsupported modalities {sorted(unknown)} "
+                             "(this model takes 'image')")
+        return _as_image_list(mm["image"]) if "image" in mm else []
+
+    def _process_explicit(self, prompt: dict[str, Any]) -> ProcessedInputs:
+        """The encoder prompt supplies the images (its text may hold only image tokens); the
+        decoder prompt the text. Without image tokens in the decoder prompt the images lead it,
+        exactly as the implicit prompt ``"<|image|>" * n + decoder_text`` would."""
+        enc = prompt.get("encoder_prompt") or {}
+        dec = prompt.get("decoder_prompt") or ""
+        enc = {"prompt": enc} if isinstance(enc, str) else enc
+        images = self._images_of(enc)
+        enc_text = enc.get("prompt", "")
+        image_tok = self.tokenizer.convert_ids_to_tokens(self.spec.image_token_id)
+        if enc_text.replace(image_tok, "").strip():
+            raise ValueError("encoder_prompt may only contain image tokens for this model")
+        if isinstance(dec, dict) and "prompt_token_ids" in dec:
+            ids = [int(t) for t in dec["prompt_token_ids"]]
+            if images and count_image_tokens(ids, self.spec.image_token_id) == 0:
+                ids = [self.spec.image_token_id] * len(images) + ids
+            return self.build(ids, images)
+        text = dec.get("prompt", "") if isinstance(dec, dict) else dec
+        if images and image_tok not in text:
+            text = image_tok * len(images) + text
+        return self.build(self.tokenize(text), images, text)

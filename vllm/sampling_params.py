@@ -1,0 +1,295 @@
+"""``SamplingParams``: vLLM's per-request sampling options, names and defaults.
+
+Validation happens once, in ``__post_init__``, with ``ValueError``s that name the parameter and
+the bad value. Options this engine does not implement (``best_of != n``, ``bad_words``) are
+rejected with a message that says so, instead of being silently ignored.
+"""
+
+from __future__ import annotations
+
+import copy
+import functools
+import math
+from collections.abc import Iterable
+from dataclasses import dataclass, fields
+from enum import Enum, IntEnum
+from numbers import Integral
+from typing import Any
+
+# Temperatures below this are greedy decoding (vLLM's ``_SAMPLING_EPS``).
+_SAMPLING_EPS = 1e-5
+# Largest ``logprobs`` / ``prompt_logprobs`` the engine serves (checked by the engine, which may
+# be configured with another cap; SamplingParams itself only checks for negatives).
+MAX_LOGPROBS = 20
+
+# HF ``generation_config.json`` keys applied as defaults, and the SamplingParams field each sets.
+_GENERATION_CONFIG_DEFAULTS = {
+    "temperature": "temperature",
+    "top_p": "top_p",
+    "top_k": "top_k",
+    "min_p": "min_p",
+    "repetition_penalty": "repetition_penalty",
+    "max_new_tokens": "max_tokens",
+}
+
+
+class SamplingType(IntEnum):
+    """How a request draws its tokens."""
+
+    GREEDY = 0
+    RANDOM = 1
+    RANDOM_SEED = 2
+
+
+class RequestOutputKind(Enum):
+    """What each ``RequestOutput`` of a streamed request carries."""
+
+    CUMULATIVE = 0  # the whole output so far
+    DELTA = 1  # only what is new since the previous output
+    FINAL_ONLY = 2  # nothing until the request finishes
+
+
+def _track_explicit_fields(cls: type) -> type:
+    """Wraps the dataclass ``__init__`` to record which fields the caller passed.
+
+    Generation-config defaults then apply only to the others (an explicit ``temperature=1.0``
+    wins over the checkpoint's 0.6, as in vLLM's OpenAI server).
+    """
+    init = cls.__init__
+    names = tuple(f.name for f in fields(cls) if f.init)
+
+    @functools.wraps(init)
+    def __init__(self: Any, *args: Any, **kwargs: Any) -> None:
+        self._explicit_fields = frozenset(names[: len(args)]) | frozenset(kwargs)
+        init(self, *args, **kwargs)
+
+    cls.__init__ = __init__
+    return cls
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, Integral) and not isinstance(value, bool)
+
+
+def _check_int(name: str, value: Any, minimum: int) -> None:
+    if not _is_int(value) or value < minimum:
+        raise ValueError(f"{name} must be an integer >= {minimum}, got {value!r}.")
+
+
+def _check_float(name: str, value: Any) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or math.isnan(value):
+        raise ValueError(f"{name} must be a number, got {value!r}.")
+    return float(value)
+
+
+@_track_explicit_fields
+@dataclass
+class SamplingParams:
+    """Sampling options of one request (vLLM's ``SamplingParams``; the same names and defaults).
+
+    ``temperature`` below 1e-5 means greedy decoding; ``top_k`` 0 or -1 means no top-k filter;
+    ``max_tokens=None`` lets the engine generate up to the model's context length.
+    """
+
+    n: int = 1
+    best_of: int | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    min_p: float = 0.0
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False
+    max_tokens: int | None = 16
+    min_tokens: int = 0
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None
+    detokenize: bool = True
+    skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
+    truncate_prompt_tokens: int | None = None
+    output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
+    logit_bias: dict[int, float] | None = None
+    allowed_token_ids: list[int] | None = None
+    bad_words: list[str] | None = None
+
+    def __post_init__(self) -> None:
+        self._eos_token_ids: frozenset[int] = frozenset()
+        self._normalise()
+        self._verify()
+
+    # ------------------------------------------------------------------ normalisation
+    def _normalise(self) -> None:
+        """Canonical forms: lists for stop options, 0 for "no top-k", neutral filters if greedy."""
+        if self.seed == -1:
+            self.seed = None
+        if self.top_k == -1:
+            self.top_k = 0
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        self.stop = [] if self.stop is None else list(self.stop)
+        self.stop_token_ids = [] if self.stop_token_ids is None else list(self.stop_token_ids)
+        self.bad_words = [] if self.bad_words is None else list(self.bad_words)
+        if self.allowed_token_ids is not None:
+            self.allowed_token_ids = list(self.allowed_token_ids)
+        if self.logit_bias is not None:
+            try:
+                self.logit_bias = {int(k): v for k, v in self.logit_bias.items()}
+            except (AttributeError, TypeError, ValueError) as e:
+                raise ValueError(
+                    f"logit_bias must map token ids to numbers, got {self.logit_bias!r}."
+                ) from e
+        # OpenAI-style booleans: ``logprobs=True`` asks for the sampled token only.
+        if self.logprobs is True:
+            self.logprobs = 1
+        if self.prompt_logprobs is True:
+            self.prompt_logprobs = 1
+        if not isinstance(self.output_kind, RequestOutputKind):
+            try:
+                self.output_kind = RequestOutputKind(self.output_kind)
+            except ValueError as e:
+                raise ValueError(f"output_kind must be 0, 1 or 2, got {self.output_kind!r}.") from e
+        if isinstance(self.temperature, (int, float)) and self.temperature < _SAMPLING_EPS:
+            # Greedy: the filters cannot change an argmax, so make them neutral (as vLLM does).
+            self.top_p, self.top_k, self.min_p = 1.0, 0, 0.0
+
+    # ------------------------------------------------------------------ validation
+    def _verify(self) -> None:
+        _check_int("n", self.n, 1)
+        if self.best_of is not None and self.best_of != self.n:
+            raise ValueError(
+                f"best_of must equal n (best_of > n is not supported yet), "
+                f"got best_of={self.best_of!r}, n={self.n}."
+            )
+        for name in ("presence_penalty", "frequency_penalty"):
+            if not -2.0 <= _check_float(name, getattr(self, name)) <= 2.0:
+                raise ValueError(f"{name} must be in [-2, 2], got {getattr(self, name)}.")
+        if not _check_float("repetition_penalty", self.repetition_penalty) > 0.0 or math.isinf(
+            self.repetition_penalty
+        ):
+            raise ValueError(
+                f"repetition_penalty must be positive and finite, got {self.repetition_penalty}."
+            )
+        if not math.isfinite(_check_float("temperature", self.temperature)):
+            raise ValueError(f"temperature must be finite, got {self.temperature}.")
+        if self.temperature < 0.0:
+            raise ValueError(f"temperature must be non-negative, got {self.temperature}.")
+        if not 0.0 < _check_float("top_p", self.top_p) <= 1.0:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}.")
+        if not _is_int(self.top_k) or self.top_k < 0:
+            raise ValueError(f"top_k must be -1 (disable), 0 (disable) or at least 1, got {self.top_k!r}.")
+        if not 0.0 <= _check_float("min_p", self.min_p) <= 1.0:
+            raise ValueError(f"min_p must be in [0, 1], got {self.min_p}.")
+        if self.seed is not None and not _is_int(self.seed):
+            raise ValueError(f"seed must be an integer, got {self.seed!r}.")
+        if self.max_tokens is not None:
+            _check_int("max_tokens", self.max_tokens, 1)
+        _check_int("min_tokens", self.min_tokens, 0)
+        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
+            raise ValueError(
+                f"min_tokens must be less than or equal to max_tokens={self.max_tokens}, "
+                f"got {self.min_tokens}."
+            )
+        for name in ("logprobs", "prompt_logprobs"):
+            if getattr(self, name) is not None:
+                _check_int(name, getattr(self, name), 0)
+        if self.truncate_prompt_tokens is not None and self.truncate_prompt_tokens != -1:
+            _check_int("truncate_prompt_tokens", self.truncate_prompt_tokens, 1)
+        self._verify_token_options()
+        if self.temperature < _SAMPLING_EPS and self.n > 1:
+            raise ValueError(f"n must be 1 when using greedy sampling, got {self.n}.")
+
+    def _verify_token_options(self) -> None:
+        if any(not isinstance(s, str) or not s for s in self.stop):
+            raise ValueError(f"stop strings must be non-empty strings, got {self.stop!r}.")
+        if self.stop and not self.detokenize:
+            raise ValueError(
+                f"stop strings are only supported when detokenize is True, got stop={self.stop!r}."
+            )
+        if any(not _is_int(t) or t < 0 for t in self.stop_token_ids):
+            raise ValueError(
+                f"stop_token_ids must be non-negative integers, got {self.stop_token_ids!r}."
+            )
+        if self.bad_words:
+            raise ValueError(f"bad_words is not supported yet, got {self.bad_words!r}.")
+        if self.allowed_token_ids is not None and (
+            not self.allowed_token_ids
+            or any(not _is_int(t) or t < 0 for t in self.allowed_token_ids)
+        ):
+            raise ValueError(
+                "allowed_token_ids must be a non-empty list of non-negative integers, "
+                f"got {self.allowed_token_ids!r}."
+            )
+        if self.logit_bias is not None:
+            for token_id, bias in self.logit_bias.items():
+                if token_id < 0 or not math.isfinite(_check_float("logit_bias", bias)):
+                    raise ValueError(
+                        f"logit_bias must map non-negative token ids to finite numbers, "
+                        f"got {token_id}: {bias!r}."
+                    )
+
+    # ------------------------------------------------------------------ engine-facing API
+    @property
+    def sampling_type(self) -> SamplingType:
+        if self.temperature < _SAMPLING_EPS:
+            return SamplingType.GREEDY
+        return SamplingType.RANDOM if self.seed is None else SamplingType.RANDOM_SEED
+
+    @property
+    def all_stop_token_ids(self) -> frozenset[int]:
+        """``stop_token_ids`` plus the model's EOS ids: suppressed while ``min_tokens`` is unmet."""
+        return frozenset(self.stop_token_ids) | self._eos_token_ids
+
+    @property
+    def eos_token_ids(self) -> frozenset[int]:
+        """The model EOS ids set by ``update_from_generation_config`` (stop unless ignore_eos)."""
+        return self._eos_token_ids
+
+    @property
+    def explicit_fields(self) -> frozenset[str]:
+        """The fields the caller passed to the constructor."""
+        return self._explicit_fields
+
+    def update_from_generation_config(
+        self,
+        generation_config: dict[str, Any],
+        eos_token_ids: int | Iterable[int] | None = None,
+    ) -> None:
+        """Applies a checkpoint's ``generation_config.json`` and the model's EOS ids.
+
+        Sampling defaults (temperature, top_p, top_k, min_p, repetition_penalty,
+        max_new_tokens -> max_tokens) fill only the fields the caller did not pass.
+        ``eos_token_ids`` (the tokenizer's EOS) and the config's ``eos_token_id`` become stop
+        conditions; as in vLLM, config EOS ids other than the tokenizer's are also appended to
+        ``stop_token_ids`` (unless ``ignore_eos``), so hitting one reports it as ``stop_reason``.
+        """
+        for key, name in _GENERATION_CONFIG_DEFAULTS.items():
+            value = generation_config.get(key)
+            if value is not None and name not in self._explicit_fields:
+                setattr(self, name, value)
+        model_eos = _as_id_set(eos_token_ids)
+        config_eos = _as_id_set(generation_config.get("eos_token_id")) - model_eos
+        self._eos_token_ids = self._eos_token_ids | model_eos | config_eos
+        if config_eos and not self.ignore_eos:
+            assert self.stop_token_ids is not None
+            known = set(self.stop_token_ids)
+            self.stop_token_ids += sorted(config_eos - known)
+        self._normalise()
+        self._verify()
+
+    def clone(self) -> SamplingParams:
+        """A deep copy (explicitly-set fields and EOS ids included)."""
+        return copy.deepcopy(self)
+
+
+def _as_id_set(ids: int | Iterable[int] | None) -> frozenset[int]:
+    if ids is None:
+        return frozenset()
+    if _is_int(ids):
+        return frozenset((int(ids),))
+    return frozenset(int(i) for i in ids)

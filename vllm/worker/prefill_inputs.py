@@ -1,0 +1,137 @@
+"""Builds the packed inputs and attention metadata of a prefill step.
+
+Several prompts with different image and tile counts become one flat batch: token ids and
+positions back to back, all images of the step in one vision batch, and for every token a
+``[start, end)`` range over the step's packed vision tokens. Sequences of one request (n > 1
+siblings recomputed after preemption) share one encoding of its images.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from vllm.attention.metadata import AttentionMetadata
+from vllm.multimodal.cross_attention import ImageRun
+from vllm.multimodal.processing import ProcessedInputs
+
+
+@dataclass
+class PrefillItem:
+    """One sequence to prefill. ``token_ids`` may extend the prompt (recompute after preemption):
+    tokens past the prompt see the last image group, like generated tokens."""
+
+    token_ids: list[int]
+    inputs: ProcessedInputs
+    vision_key: object  # items with the same key share one encoding of the images
+    block_table: list[int] = field(default_factory=list)  # empty: do not write K/V
+    cross_block_table: list[int] = field(default_factory=list)
+    write_cross: bool = False  # this item writes the request's cross K/V pages
+
+
+@dataclass
+class PrefillBatch:
+    input_ids: torch.Tensor  # [T] int64
+    positions: torch.Tensor  # [T] int64
+    metadata: AttentionMetadata
+    logits_indices: torch.Tensor  # [num_seqs] int64: each sequence's last token
+    pixel_values: torch.Tensor | None  # [N, max_tiles, C, S, S]
+    aspect_ratio_ids: torch.Tensor | None  # [N]
+    num_tiles: list[int]
+
+
+def _slots(table: list[int], start: int, count: int, page: int) -> list[int]:
+    return [table[i // page] * page + i % page for i in range(start, start + count)]
+
+
+def _pad_tables(tables: list[list[int]], width: int) -> torch.Tensor:
+    out = torch.zeros(len(tables), max(width, 1), dtype=torch.int32)
+    for i, t in enumerate(tables):
+        if t:
+            out[i, :len(t)] = torch.tensor(t, dtype=torch.int32)
+    return out
+
+
+def build_prefill_batch(items: list[PrefillItem], block_size: int, cross_block_size: int,
+                        device: torch.device) -> PrefillBatch:
+    ids: list[int] = []
+    positions: list[int] = []
+    slots: list[int] = []
+    ranges: list[tuple[int, int]] = []
+    runs: list[tuple[int, int, int, int]] = []
+    cross_src: list[int] = []
+    cross_slots: list[int] = []
+    pixel, ar_ids, num_tiles = [], [], []
+    vision_base: dict[object, int] = {}
+    n_vision = 0
+    seq_lens, enc_lens = [], []
+    for item in items:
+        inp, n = item.inputs, len(item.token_ids)
+        t0 = len(ids)
+        ids += item.token_ids
+        positions += range(n)
+        slots += _slots(item.block_table, 0, n, block_size) if item.block_table else [-1] * n
+        seq_lens.append(n)
+        base = vision_base.get(item.vision_key)
+        if base is None and inp.images is not None:
+            base = vision_base[item.vision_key] = n_vision
+            n_vision += inp.num_vision_tokens
+            pixel.append(inp.images.pixel_values)
+            ar_ids.append(inp.images.aspect_ratio_ids)
+            num_tiles += inp.images.num_tiles
+        item_ranges = [(0, 0)] * n
+        offsets = inp.image_token_offsets()
+        item_runs = list(inp.runs)
+        prompt_len = len(inp.prompt_token_ids)
+        if inp.last_group is not None and n > prompt_len:
+            lg0, lg1 = inp.last_group
+            item_runs.append(ImageRun(prompt_len, n, lg0, lg1))
+        for run in item_runs:
+            kv0, kv1 = base + offsets[run.img_start], base + offsets[run.img_end]
+            q0, q1 = run.tok_start, min(run.tok_end, n)
+            item_ranges[q0:q1] = [(kv0, kv1)] * (q1 - q0)
+            runs.append((t0 + q0, t0 + q1, kv0, kv1))
+        ranges += item_ranges
+        enc_len = inp.encoder_seq_len
+        enc_lens.append(enc_len)
+        if item.write_cross and enc_len > 0:
+            c0, c1 = inp.cached_vision_range
+            cross_src += range(base + c0, base + c1)
+            cross_slots += _slots(item.cross_block_table, 0, enc_len, cross_block_size)
+    starts = [0]
+    for n in seq_lens:
+        starts.append(starts[-1] + n)
+
+    def t(values, dtype=torch.int64):
+        return torch.tensor(values, dtype=dtype).to(device, non_blocking=True)
+
+    md = AttentionMetadata(
+        is_prefill=True,
+        num_seqs=len(items),
+        num_tokens=len(ids),
+        slot_mapping=t(slots),
+        seq_lens_tensor=t(seq_lens, torch.int32),
+        max_seq_len=max(seq_lens),
+        block_tables=_pad_tables([i.block_table for i in items], 1).to(device),
+        query_start_loc=t(starts, torch.int32),
+        seq_lens=seq_lens,
+        encoder_seq_lens=enc_lens,
+        encoder_seq_lens_tensor=t(enc_lens, torch.int32),
+        max_encoder_seq_len=max(enc_lens),
+        cross_block_tables=_pad_tables([i.cross_block_table for i in items],
+                                       max(len(i.cross_block_table) for i in items)).to(device),
+        cross_kv_ranges=t(ranges, torch.int32).view(-1, 2),
+        cross_range_runs=runs,
+        cross_cache_src=t(cross_src) if cross_src else None,
+        cross_slot_mapping=t(cross_slots) if cross_slots else None,
+    )
+    return PrefillBatch(
+        input_ids=t(ids),
+        positions=t(positions),
+        metadata=md,
+        logits_indices=t([s - 1 for s in starts[1:]]),
+        pixel_values=torch.cat(pixel).to(device) if pixel else None,
+        aspect_ratio_ids=torch.cat(ar_ids).to(device) if ar_ids else None,
+        num_tiles=num_tiles,
+    )
