@@ -113,7 +113,7 @@ def build_prefill_batch(items: list[PrefillItem], block_size: int, cross_block_s
         slot_mapping=t(slots),
         seq_lens_tensor=t(seq_lens, torch.int32),
         max_seq_len=max(seq_lens),
-        block_tables=_pad_tables([i.block_table for i in items], 1).to(device),
+        block_tables=torch.zeros(len(items), 1, dtype=torch.int32, device=device),  # unused
         query_start_loc=t(starts, torch.int32),
         seq_lens=seq_lens,
         encoder_seq_lens=enc_lens,

@@ -1,0 +1,121 @@
+"""Engine configuration: frozen dataclasses, built once by ``EngineArgs`` and validated there.
+
+Values discovered at run time (how many KV pages fit, what the profile measured) belong to the
+components that discover them; they are not written back here.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from vllm.transformers_utils.config import MllamaSpec
+
+_DTYPES = {
+    "half": torch.float16, "float16": torch.float16, "bfloat16": torch.bfloat16,
+    "float": torch.float32, "float32": torch.float32,
+}
+
+
+def resolve_dtype(dtype: str | torch.dtype, checkpoint_dtype: str | None,
+                  device: torch.device) -> torch.dtype:
+    """vLLM's rule: ``auto`` keeps a bf16/fp16 checkpoint's dtype; fp32 checkpoints run in fp16
+    on CUDA and in fp32 on the CPU."""
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    if dtype != "auto":
+        if dtype not in _DTYPES:
+            raise ValueError(f"dtype must be one of auto, {', '.join(_DTYPES)}; got {dtype!r}")
+        return _DTYPES[dtype]
+    ckpt = _DTYPES.get(str(checkpoint_dtype).replace("torch.", ""), torch.float32)
+    if ckpt == torch.float32 and device.type == "cuda":
+        return torch.float16
+    return ckpt
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """What to run: the checkpoint, its parsed configuration and how to load it."""
+
+    model: str  # as the user named it (a folder or a demo name)
+    model_path: Path
+    tokenizer_path: Path
+    spec: MllamaSpec
+    dtype: torch.dtype
+    max_model_len: int
+    served_model_name: str
+    load_format: str = "auto"
+    seed: int = 0
+    enforce_eager: bool = False
+    limit_images_per_prompt: int = 1
+    generation_config: str = "auto"  # "auto" (the checkpoint's), "vllm" (none) or a folder
+    max_logprobs: int = 20
+    quantization: str | None = None
+
+    @property
+    def max_encoder_seq_len(self) -> int:
+        """Most vision tokens one request can have cached (its last image group)."""
+        return self.limit_images_per_prompt * self.spec.max_vision_tokens_per_image
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    """The KV page pool. A page holds ``block_size`` tokens of every self-attention layer."""
+
+    block_size: int = 16
+    gpu_memory_utilization: float = 0.9
+    num_gpu_blocks_override: int | None = None
+    cpu_kv_cache_space_bytes: int = 4 << 30
+    kv_cache_dtype: str = "auto"
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    """Continuous-batching limits. Prompts are prefilled whole (no chunking)."""
+
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 8192
+    max_model_len: int = 8192
+    max_num_encoder_tiles: int = 16  # per-step vision budget; each image costs max_num_tiles
+
+
+@dataclass(frozen=True)
+class CompilationConfig:
+    """CUDA-graph capture sizes for decode (batch buckets)."""
+
+    cuda_graph_sizes: tuple[int, ...] = ()
+
+    @staticmethod
+    def default_sizes(max_num_seqs: int) -> tuple[int, ...]:
+        """1, 2, 4, then multiples of 8, up to the first bucket that holds max_num_seqs."""
+        sizes = [1, 2, 4] + [8 * i for i in range(1, 1025)]
+        out = []
+        for s in sizes:
+            out.append(s)
+            if s >= max_num_seqs:
+                break
+        return tuple(out)
+
+
+@dataclass(frozen=True)
+class ParallelConfig:
+    tensor_parallel_size: int = 1
+
+
+@dataclass(frozen=True)
+class DeviceConfig:
+    device: torch.device = field(default_factory=lambda: torch.device("cpu"))
+
+
+@dataclass(frozen=True)
+class VllmConfig:
+    """Everything the engine needs, in one immutable object."""
+
+    model_config: ModelConfig
+    cache_config: CacheConfig
+    scheduler_config: SchedulerConfig
+    compilation_config: CompilationConfig
+    parallel_config: ParallelConfig
+    device_config: DeviceConfig

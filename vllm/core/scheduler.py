@@ -1,0 +1,221 @@
+"""Continuous batching: which sequences run in the next step.
+
+A step is either a prefill of whole prompts (new requests, or preempted ones recomputed) or a
+decode of every running sequence. Waiting requests are admitted first-come-first-served under
+``max_num_seqs``, ``max_num_batched_tokens``, the per-step vision budget and free pages. When a
+decode step lacks pages, the youngest running request is preempted: its pages are freed, it
+keeps its tokens and images, and it is recomputed later. Nothing is lost.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections import deque
+from dataclasses import dataclass, field
+
+from vllm.config import SchedulerConfig
+from vllm.core.block_manager import BlockManager
+from vllm.core.sequence import Request, Sequence, SequenceStatus
+from vllm.logger import init_logger
+
+logger = init_logger(__name__)
+
+
+class RequestTooLarge(ValueError):
+    """The request can never be scheduled with this configuration."""
+
+
+@dataclass
+class SchedulerOutput:
+    """What the runner executes in one step."""
+
+    is_prefill: bool
+    prefill_seqs: list[Sequence] = field(default_factory=list)  # sequences whose tokens are fed
+    samplers: list[list[Sequence]] = field(default_factory=list)  # per prefill seq: who samples
+    decode_seqs: list[Sequence] = field(default_factory=list)
+    new_pages: list[tuple[Sequence, int]] = field(default_factory=list)  # decode appends
+    page_copies: list[tuple[int, int]] = field(default_factory=list)  # after the forward
+    preempted: list[Request] = field(default_factory=list)
+
+    @property
+    def num_seqs(self) -> int:
+        return len(self.prefill_seqs) if self.is_prefill else len(self.decode_seqs)
+
+
+class Scheduler:
+    """Owns the waiting and running queues and the block manager."""
+
+    def __init__(self, config: SchedulerConfig, block_manager: BlockManager,
+                 tiles_per_image: int) -> None:
+        self.config = config
+        self.bm = block_manager
+        self.tiles_per_image = tiles_per_image
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.requests: dict[str, Request] = {}
+        self._seq_ids = itertools.count()
+        self.num_preemptions = 0
+
+    # ----------------------------------------------------------------- admission
+    def check_fits(self, request: Request) -> None:
+        """Raises :class:`RequestTooLarge` if no state of the engine could ever run it."""
+        c, n = self.config, request.params.n
+        prompt = len(request.inputs.prompt_token_ids)
+        if prompt > c.max_num_batched_tokens:
+            raise RequestTooLarge(f"The prompt has {prompt} tokens, more than "
+                                  f"max_num_batched_tokens ({c.max_num_batched_tokens}).")
+        if n > c.max_num_seqs:
+            raise RequestTooLarge(f"n={n} exceeds max_num_seqs ({c.max_num_seqs}).")
+        tiles = request.inputs.num_images * self.tiles_per_image
+        if tiles > c.max_num_encoder_tiles:
+            raise RequestTooLarge(f"The request's {request.inputs.num_images} image(s) need "
+                                  f"{tiles} encoder tiles per step, more than "
+                                  f"max_num_encoder_tiles ({c.max_num_encoder_tiles}).")
+        max_len = min(c.max_model_len, prompt + (request.params.max_tokens or c.max_model_len))
+        need = n * self.bm.pages_for_tokens(max_len) + self.bm.cross_pages_for(request)
+        if need > self.bm.pool.num_allocatable:
+            raise RequestTooLarge(
+                f"The request needs {need} KV pages at its longest, but the cache has only "
+                f"{self.bm.pool.num_allocatable}; lower max_tokens or n, or give the cache more "
+                "memory (--gpu-memory-utilization).")
+
+    def add_request(self, request: Request) -> None:
+        self.check_fits(request)
+        if request.request_id in self.requests:
+            raise ValueError(f"request id {request.request_id!r} is already in use")
+        seq = Sequence(next(self._seq_ids), request, 0, list(request.inputs.prompt_token_ids))
+        request.seqs = [seq]
+        self.requests[request.request_id] = request
+        self.waiting.append(request)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def num_running_seqs(self) -> int:
+        return sum(len(r.unfinished_seqs()) for r in self.running)
+
+    # ----------------------------------------------------------------- scheduling
+    def schedule(self) -> SchedulerOutput | None:
+        out = self._schedule_prefill()
+        if out is not None:
+            return out
+        return self._schedule_decode() if self.running else None
+
+    def _seqs_after_prefill(self, request: Request) -> int:
+        return len(request.unfinished_seqs()) + (
+            0 if request.forked else request.params.n - 1)
+
+    def _schedule_prefill(self) -> SchedulerOutput | None:
+        c = self.config
+        out = SchedulerOutput(is_prefill=True)
+        tokens = tiles = pages = 0
+        num_seqs = self.num_running_seqs()
+        while self.waiting:
+            req = self.waiting[0]
+            seqs = req.unfinished_seqs()
+            n_tok = sum(len(s) for s in seqs)
+            n_tiles = req.inputs.num_images * self.tiles_per_image
+            n_pages = self.bm.pages_needed_for_prefill(req, seqs)
+            if not req.forked:
+                n_pages += req.params.n - 1  # each child's copy of a partial last page
+            if (num_seqs + self._seqs_after_prefill(req) > c.max_num_seqs
+                    or tokens + n_tok > c.max_num_batched_tokens
+                    or tiles + n_tiles > c.max_num_encoder_tiles
+                    or pages + n_pages > self.bm.pool.num_free):
+                break
+            self.waiting.popleft()
+            tokens, tiles, pages = tokens + n_tok, tiles + n_tiles, pages + n_pages
+            num_seqs += self._seqs_after_prefill(req)
+            self._admit(req, seqs, out)
+        return out if out.prefill_seqs else None
+
+    def _admit(self, req: Request, seqs: list[Sequence], out: SchedulerOutput) -> None:
+        self.bm.allocate_prefill(req, seqs)
+        for s in seqs:
+            s.status = SequenceStatus.RUNNING
+            out.prefill_seqs.append(s)
+            out.samplers.append([s])
+        if not req.forked and req.params.n > 1:
+            parent = seqs[0]
+            for i in range(1, req.params.n):
+                child = Sequence(next(self._seq_ids), req, i, list(parent.token_ids),
+                                 status=SequenceStatus.RUNNING)
+                page = self.bm.fork(parent, child)
+                if page is not None:
+                    out.page_copies.append((parent.block_table[-1], page))
+                req.seqs.append(child)
+                out.samplers[-1].append(child)
+        req.forked = True
+        self.running.append(req)
+
+    def _schedule_decode(self) -> SchedulerOutput:
+        out = SchedulerOutput(is_prefill=False)
+        while True:
+            seqs = [s for r in self.running for s in r.unfinished_seqs()]
+            need = sum(1 for s in seqs if self.bm.needs_new_page(s))
+            if need <= self.bm.pool.num_free or len(self.running) <= 1:
+                break
+            victim = max(self.running, key=lambda r: r.arrival_time)
+            self._preempt(victim)
+            out.preempted.append(victim)
+        if need > self.bm.pool.num_free:
+            # Cannot happen for requests that passed check_fits; preempt the last one too.
+            victim = self.running[0]
+            self._preempt(victim)
+            out.preempted.append(victim)
+            seqs = []
+        for s in seqs:
+            if self.bm.needs_new_page(s):
+                out.new_pages.append((s, self.bm.append_page(s)))
+        out.decode_seqs = seqs
+        return out
+
+    def _preempt(self, request: Request) -> None:
+        self.running.remove(request)
+        for s in request.unfinished_seqs():
+            self.bm.free_seq(s)
+            s.status = SequenceStatus.WAITING
+            s.num_computed_tokens = 0
+        self.bm.free_cross(request)
+        request.num_preemptions += 1
+        self.num_preemptions += 1
+        # Back to the queue in arrival order, ahead of anything that arrived later.
+        index = next((i for i, r in enumerate(self.waiting)
+                      if r.arrival_time > request.arrival_time), len(self.waiting))
+        self.waiting.insert(index, request)
+        logger.debug("Preempted request %s (recompute)", request.request_id)
+
+    # ----------------------------------------------------------------- completion
+    def finish_seq(self, seq: Sequence, status: SequenceStatus) -> None:
+        seq.status = status
+        if seq.block_table:
+            self.bm.free_seq(seq)
+
+    def release_finished(self) -> list[Request]:
+        """Removes finished requests, freeing their cross pages; returns them."""
+        done = [r for r in self.running if r.finished]
+        for r in done:
+            self.running.remove(r)
+            self.bm.free_cross(r)
+            del self.requests[r.request_id]
+        return done
+
+    def abort(self, request_id: str) -> Request | None:
+        """Frees everything the request holds, at any point of its life."""
+        req = self.requests.pop(request_id, None)
+        if req is None:
+            return None
+        for s in req.seqs:
+            if s.block_table:
+                self.bm.free_seq(s)
+            if not s.status.finished:
+                s.status = SequenceStatus.FINISHED_ABORTED
+        self.bm.free_cross(req)
+        if req in self.running:
+            self.running.remove(req)
+        if req in self.waiting:
+            self.waiting.remove(req)
+        return req
+
+    def check_integrity(self) -> None:
+        self.bm.check_integrity(self.requests.values())

@@ -1,0 +1,213 @@
+"""``EngineArgs``: the engine's options under vLLM's names, from keyword arguments or the CLI."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from vllm.config import (
+    CacheConfig,
+    CompilationConfig,
+    DeviceConfig,
+    ModelConfig,
+    ParallelConfig,
+    SchedulerConfig,
+    VllmConfig,
+    resolve_dtype,
+)
+from vllm.logger import init_logger
+
+logger = init_logger(__name__)
+
+CPU_DEFAULT_MAX_MODEL_LEN = 8192
+SUPPORTED_QUANTIZATION: tuple[str, ...] = ()
+
+
+def parse_limit_mm_per_prompt(value: str | dict[str, int] | None) -> dict[str, int]:
+    """Accepts ``{"image": 2}`` (dict or JSON) and the older ``image=2`` form."""
+    if value is None or value == "":
+        return {}
+    if isinstance(value, dict):
+        limits = dict(value)
+    else:
+        try:
+            limits = json.loads(value)
+        except json.JSONDecodeError:
+            limits = {}
+            for part in value.split(","):
+                key, sep, num = part.partition("=")
+                if not sep:
+                    raise ValueError(f"--limit-mm-per-prompt: cannot parse {value!r}; use JSON "
+                                     "such as '{\"image\": 2}'") from None
+                limits[key.strip()] = num.strip()
+    if not isinstance(limits, dict):
+        raise ValueError(f"--limit-mm-per-prompt must be a JSON object, got {value!r}")
+    out = {}
+    for key, num in limits.items():
+        if key != "image":
+            raise ValueError(f"--limit-mm-per-prompt: unsupported modality {key!r} (only image)")
+        try:
+            out[key] = int(num)
+        except (TypeError, ValueError):
+            raise ValueError(f"--limit-mm-per-prompt: {key} must be an integer") from None
+        if out[key] < 0:
+            raise ValueError("--limit-mm-per-prompt: limits must be non-negative")
+    return out
+
+
+@dataclass
+class EngineArgs:
+    """Options accepted by ``LLM(...)`` and ``vllm serve`` (vLLM's names and defaults)."""
+
+    model: str = "demo/mllama-tiny"
+    tokenizer: str | None = None
+    served_model_name: str | list[str] | None = None
+    dtype: str = "auto"
+    seed: int | None = 0
+    max_model_len: int | None = None
+    max_num_seqs: int | None = None
+    max_num_batched_tokens: int | None = None
+    max_num_encoder_tiles: int | None = None
+    gpu_memory_utilization: float = 0.9
+    enforce_eager: bool = False
+    cuda_graph_sizes: list[int] | None = None
+    limit_mm_per_prompt: dict[str, int] | str | None = None
+    load_format: str = "auto"
+    block_size: int = 16
+    num_gpu_blocks_override: int | None = None
+    generation_config: str = "auto"
+    trust_remote_code: bool = False
+    quantization: str | None = None
+    tensor_parallel_size: int = 1
+    device: str = "auto"
+    max_logprobs: int = 20
+    kv_cache_dtype: str = "auto"
+    disable_log_stats: bool = False
+    # Accepted for compatibility; they do not change anything here.
+    swap_space: float = 4
+    max_seq_len_to_capture: int = 8192
+    enable_prefix_caching: bool | None = None
+    enable_chunked_prefill: bool | None = None
+    tokenizer_mode: str = "auto"
+    revision: str | None = None
+    download_dir: str | None = None
+
+    @staticmethod
+    def add_cli_args(parser: argparse.ArgumentParser, positional_model: bool = False) -> None:
+        from vllm.engine.cli_args import add_engine_cli_args
+
+        add_engine_cli_args(parser, positional_model)
+
+    @classmethod
+    def from_cli_args(cls, args: argparse.Namespace) -> EngineArgs:
+        names = {f.name for f in dataclasses.fields(cls)}
+        return cls(**{k: v for k, v in vars(args).items() if k in names and v is not None})
+
+    def _device(self) -> torch.device:
+        if self.device == "auto":
+            return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        if self.device not in ("cuda", "cpu"):
+            raise ValueError(f"device must be auto, cuda or cpu; got {self.device!r}")
+        return torch.device(self.device)
+
+    def _check_unsupported(self) -> None:
+        if self.quantization is not None and self.quantization not in SUPPORTED_QUANTIZATION:
+            raise ValueError(f"quantization={self.quantization!r} is not supported yet; this "
+                             "engine serves bf16/fp16/fp32 weights")
+        if self.tensor_parallel_size != 1:
+            raise ValueError("tensor_parallel_size > 1 is not supported yet (one GPU per model)")
+        if self.kv_cache_dtype != "auto":
+            raise ValueError(f"kv_cache_dtype={self.kv_cache_dtype!r} is not supported yet")
+        if self.enable_prefix_caching:
+            logger.warning("Prefix caching is not supported for this encoder-decoder model; "
+                           "ignoring enable_prefix_caching.")
+        if self.enable_chunked_prefill:
+            logger.warning("Chunked prefill is not supported; prompts are prefilled whole.")
+        if not 0.0 < self.gpu_memory_utilization <= 1.0:
+            raise ValueError("gpu_memory_utilization must be in (0, 1], got "
+                             f"{self.gpu_memory_utilization}")
+        if self.block_size not in (8, 16, 32, 64, 128):
+            raise ValueError(f"block_size must be one of 8, 16, 32, 64, 128; got {self.block_size}")
+
+    def create_engine_config(self) -> VllmConfig:
+        from vllm.transformers_utils.config import load_mllama_config
+        from vllm.transformers_utils.demo_checkpoints import resolve_model
+
+        self._check_unsupported()
+        device = self._device()
+        path = resolve_model(self.model)
+        tok_path = resolve_model(self.tokenizer) if self.tokenizer else path
+        spec = load_mllama_config(path)
+        dtype = resolve_dtype(self.dtype, spec.torch_dtype, device)
+        limits = parse_limit_mm_per_prompt(self.limit_mm_per_prompt)
+        limit_images = limits.get("image", 1)
+        max_model_len = self._max_model_len(spec.text.max_position_embeddings, device)
+        sched = self._scheduler_config(max_model_len, limit_images,
+                                       spec.vision.max_num_tiles)
+        served = self.served_model_name
+        if isinstance(served, list):
+            served = served[0] if served else None
+        model_config = ModelConfig(
+            model=self.model, model_path=path, tokenizer_path=tok_path, spec=spec, dtype=dtype,
+            max_model_len=max_model_len, served_model_name=served or self.model,
+            load_format=self.load_format, seed=self.seed if self.seed is not None else 0,
+            enforce_eager=self.enforce_eager, limit_images_per_prompt=limit_images,
+            generation_config=self.generation_config, max_logprobs=self.max_logprobs,
+            quantization=self.quantization)
+        sizes = tuple(sorted(set(self.cuda_graph_sizes or ())))
+        if any(s < 1 for s in sizes):
+            raise ValueError(f"cuda_graph_sizes must be positive, got {list(sizes)}")
+        return VllmConfig(
+            model_config=model_config,
+            cache_config=CacheConfig(block_size=self.block_size,
+                                     gpu_memory_utilization=self.gpu_memory_utilization,
+                                     num_gpu_blocks_override=self.num_gpu_blocks_override),
+            scheduler_config=sched,
+            compilation_config=CompilationConfig(
+                cuda_graph_sizes=sizes or CompilationConfig.default_sizes(sched.max_num_seqs)),
+            parallel_config=ParallelConfig(self.tensor_parallel_size),
+            device_config=DeviceConfig(device),
+        )
+
+    def _max_model_len(self, config_max: int, device: torch.device) -> int:
+        if self.max_model_len is not None:
+            if not 1 < self.max_model_len <= config_max:
+                raise ValueError(f"max_model_len must be in 2..{config_max} (the model's "
+                                 f"max_position_embeddings), got {self.max_model_len}")
+            return self.max_model_len
+        if device.type == "cpu" and config_max > CPU_DEFAULT_MAX_MODEL_LEN:
+            logger.info("CPU device: defaulting max_model_len to %d", CPU_DEFAULT_MAX_MODEL_LEN)
+            return CPU_DEFAULT_MAX_MODEL_LEN
+        return config_max
+
+    def _scheduler_config(self, max_model_len: int, limit_images: int,
+                          max_tiles: int) -> SchedulerConfig:
+        max_num_seqs = self.max_num_seqs if self.max_num_seqs is not None else 256
+        if max_num_seqs < 1:
+            raise ValueError(f"max_num_seqs must be >= 1, got {max_num_seqs}")
+        batched = self.max_num_batched_tokens
+        if batched is None:
+            batched = max(max_model_len, 8192)
+        elif batched < max_model_len:
+            raise ValueError(
+                f"max_num_batched_tokens ({batched}) is smaller than max_model_len "
+                f"({max_model_len}); prompts are prefilled whole, so raise "
+                "--max-num-batched-tokens or lower --max-model-len")
+        tiles = self.max_num_encoder_tiles
+        if tiles is None:
+            tiles = max(limit_images, 4) * max_tiles
+        elif tiles < limit_images * max_tiles:
+            raise ValueError(
+                f"max_num_encoder_tiles ({tiles}) cannot encode one request with "
+                f"{limit_images} image(s) of {max_tiles} tiles; raise it or lower "
+                "--limit-mm-per-prompt")
+        return SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=batched,
+                               max_model_len=max_model_len, max_num_encoder_tiles=tiles)
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)

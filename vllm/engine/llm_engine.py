@@ -1,0 +1,182 @@
+"""The synchronous engine: requests in, one scheduled step at a time, ``RequestOutput``s out.
+
+``step()``: schedule -> run (prefill or decode) -> append tokens, detokenize, check stops ->
+free what finished -> outputs. Bad input raises at ``add_request`` and never reaches a step.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Any
+
+from vllm.config import VllmConfig
+from vllm.core.block_manager import BlockManager
+from vllm.core.scheduler import Scheduler, SchedulerOutput
+from vllm.core.sequence import Request
+from vllm.engine.arg_utils import EngineArgs
+from vllm.engine.output_processor import OutputProcessor
+from vllm.logger import init_logger
+from vllm.multimodal.processing import MllamaInputProcessor
+from vllm.outputs import RequestOutput
+from vllm.sampling_params import SamplingParams
+from vllm.transformers_utils.tokenizer import get_image_processor, get_tokenizer
+from vllm.worker.memory import determine_num_pages, fit_config_to_pages
+from vllm.worker.model_runner import ModelRunner
+
+logger = init_logger(__name__)
+
+
+def load_generation_config(config: VllmConfig) -> dict[str, Any]:
+    """The checkpoint's generation_config.json (``auto``), none (``vllm``) or a folder's."""
+    choice = config.model_config.generation_config
+    if choice == "vllm":
+        return {}
+    folder = config.model_config.model_path if choice == "auto" else Path(choice)
+    path = folder / "generation_config.json"
+    if not path.is_file():
+        if choice != "auto":
+            raise FileNotFoundError(f"{path}: generation config not found")
+        return {}
+    return json.loads(path.read_text())
+
+
+class LLMEngine:
+    """Owns the tokenizer, input processor, scheduler and model runner."""
+
+    def __init__(self, config: VllmConfig, log_stats: bool = True) -> None:
+        t0 = time.perf_counter()
+        mc = config.model_config
+        self.tokenizer = get_tokenizer(mc.tokenizer_path)
+        self.runner = ModelRunner(config)
+        t_load = time.perf_counter() - t0
+        num_pages = determine_num_pages(self.runner)
+        config = fit_config_to_pages(config, self.runner.layout, num_pages)
+        self.config = config
+        self.runner.config = config
+        self.runner.initialize_cache(num_pages)
+        self.input_processor = MllamaInputProcessor(
+            mc.spec, self.tokenizer, get_image_processor(mc.model_path),
+            mc.limit_images_per_prompt, config.model_config.max_model_len)
+        lo = self.runner.layout
+        self.block_manager = BlockManager(num_pages, lo.block_size, lo.cross_block_size)
+        self.scheduler = Scheduler(config.scheduler_config, self.block_manager,
+                                   mc.spec.vision.max_num_tiles)
+        self.generation_config = load_generation_config(config)
+        eos = set(mc.spec.text.eos_token_ids)
+        if self.tokenizer.eos_token_id is not None:
+            eos.add(self.tokenizer.eos_token_id)
+        self.eos_token_ids = sorted(eos)
+        self.output_processor = OutputProcessor(self.tokenizer, config, self.runner.device)
+        self.log_stats = log_stats
+        self._last_log = time.monotonic()
+        self._tokens_since_log = [0, 0]
+        logger.info("Engine ready in %.1f s (model load %.1f s): %d KV pages of %d tokens, "
+                    "max_model_len %d, max_num_seqs %d", time.perf_counter() - t0, t_load,
+                    num_pages - 1, lo.block_size, config.model_config.max_model_len,
+                    config.scheduler_config.max_num_seqs)
+
+    @classmethod
+    def from_engine_args(cls, args: EngineArgs) -> LLMEngine:
+        return cls(args.create_engine_config(), log_stats=not args.disable_log_stats)
+
+    # ------------------------------------------------------------------ requests
+    def default_sampling_params(self) -> SamplingParams:
+        """SamplingParams with the checkpoint's generation-config defaults."""
+        params = SamplingParams()
+        params.update_from_generation_config(self.generation_config, self.eos_token_ids)
+        return params
+
+    def process_inputs(self, prompt: Any) -> Any:
+        return self.input_processor.process(prompt)
+
+    def add_request(self, request_id: str, prompt: Any, params: SamplingParams | None = None,
+                    arrival_time: float | None = None, processed: Any = None) -> None:
+        """Validates and queues a request; raises ValueError on bad input."""
+        params = params.clone() if params is not None else self.default_sampling_params()
+        params.update_from_generation_config(
+            {"eos_token_id": self.generation_config.get("eos_token_id")}, self.eos_token_ids)
+        self._check_params(params)
+        inputs = processed if processed is not None else self.process_inputs(prompt)
+        request = Request(request_id, inputs, params)
+        if arrival_time is not None:
+            request.arrival_time = arrival_time
+        self.scheduler.add_request(request)
+        self.output_processor.add_request(request)
+
+    def _check_params(self, params: SamplingParams) -> None:
+        cap = self.config.model_config.max_logprobs
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(params, name)
+            if value is not None and value > cap:
+                raise ValueError(f"Requested {name}={value} exceeds the maximum of {cap} "
+                                 "(--max-logprobs).")
+        vocab = self.config.model_config.spec.text.vocab_size
+        for t in params.stop_token_ids or []:
+            if not 0 <= t < vocab:
+                raise ValueError(f"stop_token_ids contains {t}, outside the vocabulary")
+
+    def abort_request(self, request_ids: str | Iterable[str]) -> None:
+        ids = [request_ids] if isinstance(request_ids, str) else list(request_ids)
+        for rid in ids:
+            req = self.scheduler.abort(rid)
+            if req is not None:
+                for s in req.seqs:
+                    self.runner.release(s)
+                self.output_processor.forget(req)
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    def get_num_unfinished_requests(self) -> int:
+        return len(self.scheduler.requests)
+
+    # ------------------------------------------------------------------ steps
+    def step(self) -> list[RequestOutput]:
+        out = self.scheduler.schedule()
+        if out is None:
+            return []
+        self._release_preempted(out)
+        now = time.time()
+        for s in out.prefill_seqs:
+            if s.request.first_scheduled_time is None:
+                s.request.first_scheduled_time = now
+        result = self.runner.execute(out)
+        outputs = self.output_processor.process(result, self.scheduler, self.runner)
+        self._maybe_log(out, result)
+        return outputs
+
+    def _release_preempted(self, out: SchedulerOutput) -> None:
+        for req in out.preempted:
+            for s in req.seqs:
+                self.runner.release(s)
+
+    def _maybe_log(self, out: SchedulerOutput, result: Any) -> None:
+        if out.is_prefill:
+            self._tokens_since_log[0] += sum(len(s) for s in out.prefill_seqs)
+        self._tokens_since_log[1] += len(result.seqs)
+        now = time.monotonic()
+        if not self.log_stats or now - self._last_log < 5.0:
+            return
+        dt = now - self._last_log
+        logger.info(
+            "Avg prompt throughput: %.1f tokens/s, Avg generation throughput: %.1f tokens/s, "
+            "Running: %d reqs, Waiting: %d reqs, KV cache usage: %.1f%%, preemptions: %d",
+            self._tokens_since_log[0] / dt, self._tokens_since_log[1] / dt,
+            len(self.scheduler.running), len(self.scheduler.waiting),
+            100 * self.block_manager.pool.usage(), self.scheduler.num_preemptions)
+        self._last_log = now
+        self._tokens_since_log = [0, 0]
+
+    # ------------------------------------------------------------------ introspection
+    def get_tokenizer(self) -> Any:
+        return self.tokenizer
+
+    def check_integrity(self) -> None:
+        """Page-pool integrity (tests call this after every run)."""
+        self.scheduler.check_integrity()
+
+    def kv_cache_usage(self) -> float:
+        return self.block_manager.pool.usage()

@@ -1,0 +1,108 @@
+"""``vllm.LLM``: offline batched generation with vLLM's interface."""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Sequence
+from typing import Any
+
+from vllm.engine.arg_utils import EngineArgs
+from vllm.engine.llm_engine import LLMEngine
+from vllm.outputs import RequestOutput
+from vllm.sampling_params import RequestOutputKind, SamplingParams
+
+
+class LLM:
+    """A model for offline inference: ``generate()`` and ``chat()`` over batches of prompts.
+
+    Accepts every :class:`~vllm.engine.arg_utils.EngineArgs` field as a keyword argument
+    (``dtype``, ``enforce_eager``, ``max_model_len``, ``max_num_seqs``,
+    ``limit_mm_per_prompt``, ``load_format``, ``seed``, ...).
+    """
+
+    def __init__(self, model: str, *, tokenizer: str | None = None, dtype: str = "auto",
+                 seed: int | None = 0, enforce_eager: bool = False,
+                 gpu_memory_utilization: float = 0.9, disable_log_stats: bool = True,
+                 **kwargs: Any) -> None:
+        kwargs.pop("trust_remote_code", None)
+        args = EngineArgs(model=model, tokenizer=tokenizer, dtype=dtype, seed=seed,
+                          enforce_eager=enforce_eager,
+                          gpu_memory_utilization=gpu_memory_utilization,
+                          disable_log_stats=disable_log_stats, **kwargs)
+        self.llm_engine = LLMEngine.from_engine_args(args)
+        self._counter = itertools.count()
+
+    def get_tokenizer(self) -> Any:
+        return self.llm_engine.get_tokenizer()
+
+    def get_default_sampling_params(self) -> SamplingParams:
+        return self.llm_engine.default_sampling_params()
+
+    def generate(self, prompts: Any, sampling_params: SamplingParams | Sequence[SamplingParams]
+                 | None = None, use_tqdm: bool = True) -> list[RequestOutput]:
+        """Generates for one prompt or a list (strings, token-id dicts, multimodal dicts,
+        explicit encoder/decoder dicts). Returns outputs in input order."""
+        if isinstance(prompts, (str, dict)):
+            prompts = [prompts]
+        prompts = list(prompts)
+        params = self._params_list(sampling_params, len(prompts))
+        ids = []
+        try:
+            for prompt, p in zip(prompts, params, strict=True):
+                rid = str(next(self._counter))
+                self.llm_engine.add_request(rid, prompt, p)
+                ids.append(rid)
+        except Exception:
+            self.llm_engine.abort_request(ids)
+            raise
+        return self._run(ids, use_tqdm)
+
+    def chat(self, messages: list[dict[str, Any]] | list[list[dict[str, Any]]],
+             sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+             use_tqdm: bool = True, chat_template: str | None = None,
+             add_generation_prompt: bool = True,
+             chat_template_kwargs: dict[str, Any] | None = None) -> list[RequestOutput]:
+        """OpenAI-style messages (text and ``image_url`` parts) through the chat template."""
+        from vllm.entrypoints.chat_utils import parse_chat_messages
+
+        conversations = messages if messages and isinstance(messages[0], list) else [messages]
+        prompts = []
+        for conv in conversations:
+            prompts.append(parse_chat_messages(
+                conv, self.get_tokenizer(), chat_template=chat_template,
+                add_generation_prompt=add_generation_prompt,
+                chat_template_kwargs=chat_template_kwargs))
+        return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
+
+    def _params_list(self, sampling_params: Any, n: int) -> list[SamplingParams]:
+        if sampling_params is None:
+            sampling_params = self.get_default_sampling_params()
+        if isinstance(sampling_params, SamplingParams):
+            sampling_params = [sampling_params] * n
+        params = list(sampling_params)
+        if len(params) != n:
+            raise ValueError(f"got {len(params)} sampling params for {n} prompts")
+        out = []
+        for p in params:
+            p = p.clone()
+            p.output_kind = RequestOutputKind.FINAL_ONLY
+            out.append(p)
+        return out
+
+    def _run(self, ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
+        results: dict[str, RequestOutput] = {}
+        bar = None
+        if use_tqdm:
+            from tqdm.auto import tqdm
+
+            bar = tqdm(total=len(ids), desc="Processed prompts", dynamic_ncols=True)
+        engine = self.llm_engine
+        while engine.has_unfinished_requests():
+            for out in engine.step():
+                if out.finished:
+                    results[out.request_id] = out
+                    if bar is not None:
+                        bar.update(1)
+        if bar is not None:
+            bar.close()
+        return [results[i] for i in ids]

@@ -1,0 +1,54 @@
+"""Results handed to users: ``RequestOutput`` with one ``CompletionOutput`` per sample."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from vllm.sequence import PromptLogprobs, SampleLogprobs
+
+
+@dataclass
+class CompletionOutput:
+    """One generated continuation (vLLM's fields)."""
+
+    index: int
+    text: str
+    token_ids: list[int]
+    cumulative_logprob: float | None
+    logprobs: SampleLogprobs | None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    lora_request: None = None
+
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass
+class RequestMetrics:
+    """Timestamps (``time.time()`` seconds) of a request's life."""
+
+    arrival_time: float
+    first_scheduled_time: float | None = None
+    first_token_time: float | None = None
+    last_token_time: float | None = None
+    finished_time: float | None = None
+    num_preemptions: int = 0
+
+
+@dataclass
+class RequestOutput:
+    """The state of a request after a step (vLLM's fields)."""
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    prompt_logprobs: PromptLogprobs | None
+    outputs: list[CompletionOutput]
+    finished: bool
+    metrics: RequestMetrics | None = None
+    encoder_prompt: str | None = None
+    encoder_prompt_token_ids: list[int] | None = None
+    num_cached_tokens: int = 0
+    lora_request: None = None
+    num_images: int = field(default=0, repr=False)

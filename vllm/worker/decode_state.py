@@ -1,0 +1,104 @@
+"""Persistent per-sequence decode state on the device.
+
+Each running sequence owns a row. The row holds its next input token, the position of that
+token, its page table, its cross page table and its cached vision length. A decode step only
+uploads the list of rows (and page appends); the sampled tokens are written into the rows on
+the device and positions advance there, so no step waits on the host for its inputs.
+Row ``null_row`` is padding: position -1 (length 0, slot -1), null pages, no vision tokens.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class DecodeInputs:
+    """Gathered inputs of one decode step (B rows, padding included)."""
+
+    input_ids: torch.Tensor  # [B] int64
+    positions: torch.Tensor  # [B] int64 (-1 for padding)
+    seq_lens: torch.Tensor  # [B] int32
+    slot_mapping: torch.Tensor  # [B] int64
+    block_tables: torch.Tensor  # [B, W] int32
+    encoder_seq_lens: torch.Tensor  # [B] int32
+    cross_block_tables: torch.Tensor  # [B, Wc] int32
+
+
+class DecodeRows:
+    """Device buffers indexed by row; ``max_rows`` real rows plus the null row."""
+
+    def __init__(self, max_rows: int, max_pages: int, max_cross_pages: int, block_size: int,
+                 device: torch.device) -> None:
+        self.max_rows = max_rows
+        self.null_row = max_rows
+        self.block_size = block_size
+        self.device = device
+        n = max_rows + 1
+        self.tokens = torch.zeros(n, dtype=torch.int64, device=device)
+        self.positions = torch.full((n,), -1, dtype=torch.int64, device=device)
+        self.block_tables = torch.zeros(n, max(max_pages, 1), dtype=torch.int32, device=device)
+        self.cross_tables = torch.zeros(n, max(max_cross_pages, 1), dtype=torch.int32,
+                                        device=device)
+        self.encoder_lens = torch.zeros(n, dtype=torch.int32, device=device)
+        self.free_rows = list(range(max_rows - 1, -1, -1))
+
+    def acquire(self) -> int:
+        if not self.free_rows:
+            raise RuntimeError("no free decode row (more running sequences than max_num_seqs)")
+        return self.free_rows.pop()
+
+    def release(self, row: int) -> None:
+        assert 0 <= row < self.max_rows and row not in self.free_rows
+        self.positions[row] = -1
+        self.encoder_lens[row] = 0
+        self.free_rows.append(row)
+
+    def load(self, row: int, block_table: list[int], cross_table: list[int],
+             encoder_len: int, position: int) -> None:
+        """Initialises a row after its prefill (the token is written by the sampler)."""
+        bt = torch.zeros(self.block_tables.shape[1], dtype=torch.int32)
+        bt[:len(block_table)] = torch.tensor(block_table, dtype=torch.int32)
+        ct = torch.zeros(self.cross_tables.shape[1], dtype=torch.int32)
+        if cross_table:
+            ct[:len(cross_table)] = torch.tensor(cross_table, dtype=torch.int32)
+        self.block_tables[row].copy_(bt, non_blocking=True)
+        self.cross_tables[row].copy_(ct, non_blocking=True)
+        self.encoder_lens[row] = encoder_len
+        self.positions[row] = position
+
+    def set_pages(self, updates: list[tuple[int, int, int]]) -> None:
+        """(row, page index, page) writes for pages appended this step."""
+        if not updates:
+            return
+        u = torch.tensor(updates, dtype=torch.int64).to(self.device, non_blocking=True)
+        self.block_tables[u[:, 0], u[:, 1]] = u[:, 2].to(torch.int32)
+
+    def gather(self, rows: torch.Tensor, width: int, cross_width: int) -> DecodeInputs:
+        """Inputs of the rows (device index tensor), with page tables cut to the widths."""
+        positions = self.positions[rows]
+        tables = self.block_tables[rows, :width]
+        valid = positions >= 0
+        pos0 = torch.clamp(positions, min=0)
+        page_idx = torch.div(pos0, self.block_size, rounding_mode="floor")
+        pages = torch.gather(tables, 1, page_idx.unsqueeze(1)).squeeze(1).to(torch.int64)
+        slots = pages * self.block_size + (pos0 - page_idx * self.block_size)
+        return DecodeInputs(
+            input_ids=self.tokens[rows],
+            positions=positions,
+            seq_lens=(positions + 1).to(torch.int32),
+            slot_mapping=torch.where(valid, slots, torch.full_like(slots, -1)),
+            block_tables=tables,
+            encoder_seq_lens=self.encoder_lens[rows],
+            cross_block_tables=self.cross_tables[rows, :cross_width],
+        )
+
+    def advance(self, rows: torch.Tensor, sampled: torch.Tensor) -> None:
+        """Writes the sampled tokens into their rows and moves positions one step on."""
+        self.tokens.index_copy_(0, rows, sampled)
+        self.positions.index_add_(0, rows, torch.ones_like(rows))
+
+    def set_tokens(self, rows: torch.Tensor, sampled: torch.Tensor) -> None:
+        self.tokens.index_copy_(0, rows, sampled)

@@ -1,0 +1,138 @@
+"""How many KV pages fit, and fitting the configuration to them.
+
+CUDA: a worst-case prefill (``max_num_batched_tokens`` tokens with the per-step vision budget
+of images) is run once without caches and its peak is measured; decode-graph memory is
+reserved before the pool is sized; the rest of ``gpu_memory_utilization`` becomes pages.
+CPU: the pool holds what the scheduler can ever use, capped by ``cpu_kv_cache_space_bytes``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from vllm.config import VllmConfig
+from vllm.logger import init_logger
+from vllm.multimodal.cross_attention import image_runs, last_group
+from vllm.multimodal.processing import ImageInputs, ProcessedInputs
+from vllm.worker.cache_engine import PageLayout
+
+logger = init_logger(__name__)
+GiB = 1 << 30
+
+
+def pages_per_seq(config: VllmConfig, layout: PageLayout) -> int:
+    """Self pages of a full-length sequence plus the cross pages of a full image group."""
+    mc = config.model_config
+    return (-(-mc.max_model_len // layout.block_size)
+            + -(-mc.max_encoder_seq_len // layout.cross_block_size))
+
+
+def _profile_inputs(runner) -> list[ProcessedInputs]:
+    """Synthetic prompts filling the step budgets: tokens and images at their maxima."""
+    cfg = runner.config
+    spec = cfg.model_config.spec
+    v = spec.vision
+    n_images = cfg.scheduler_config.max_num_encoder_tiles // v.max_num_tiles
+    n_seqs = max(1, min(n_images, cfg.scheduler_config.max_num_seqs))
+    tokens = cfg.scheduler_config.max_num_batched_tokens // n_seqs
+    per_seq = [n_images // n_seqs + (1 if i < n_images % n_seqs else 0) for i in range(n_seqs)]
+    out = []
+    gen = torch.Generator().manual_seed(0)
+    for k in per_seq:
+        ids = [spec.image_token_id] * k + [1] * (tokens - k)
+        images = None
+        if k:
+            pixels = torch.randn(k, v.max_num_tiles, v.num_channels, v.image_size, v.image_size,
+                                 generator=gen)
+            images = ImageInputs(pixels, torch.full((k,), len(v.supported_aspect_ratios)),
+                                 [v.max_num_tiles] * k)
+        out.append(ProcessedInputs(ids, images, image_runs(ids, spec.image_token_id),
+                                   last_group(ids, spec.image_token_id),
+                                   tokens_per_tile=v.tokens_per_tile))
+    return out
+
+
+@torch.inference_mode()
+def profile_prefill_peak(runner) -> int:
+    """Peak bytes allocated while running the worst-case prefill step (no caches bound)."""
+    from vllm.forward_context import set_forward_context
+    from vllm.worker.prefill_inputs import PrefillItem, build_prefill_batch
+
+    lo = runner.layout
+    items = [PrefillItem(list(p.prompt_token_ids), p, i) for i, p in
+             enumerate(_profile_inputs(runner))]
+    batch = build_prefill_batch(items, lo.block_size, lo.cross_block_size, runner.device)
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    vision = None
+    if batch.pixel_values is not None:
+        vision = runner.model.encode_images(batch.pixel_values, batch.aspect_ratio_ids,
+                                            batch.num_tiles)
+    with set_forward_context(batch.metadata):
+        hidden = runner.model(batch.input_ids, batch.positions, vision)
+    runner.model.compute_logits(hidden[batch.logits_indices])
+    torch.cuda.synchronize()
+    peak = torch.cuda.max_memory_allocated()
+    del vision, hidden, batch
+    torch.cuda.empty_cache()
+    return peak
+
+
+def decode_graph_reserve(config: VllmConfig) -> int:
+    """Bytes set aside for the decode graphs' shared pool: one step's activations at the
+    largest bucket (logits dominate), doubled, plus slack."""
+    t = config.model_config.spec.text
+    bs = max(config.compilation_config.cuda_graph_sizes or (1,))
+    elem = torch.empty((), dtype=config.model_config.dtype).element_size()
+    act = bs * (2 * t.intermediate_size + 6 * t.hidden_size) * elem + bs * t.vocab_size * 4
+    return 2 * act + (256 << 20)
+
+
+def determine_num_pages(runner) -> int:
+    """Number of pages in the pool, the null page included."""
+    cfg = runner.config
+    lo = runner.layout
+    override = cfg.cache_config.num_gpu_blocks_override
+    if override is not None:
+        return override + 1
+    if runner.device.type != "cuda":
+        full = cfg.scheduler_config.max_num_seqs * pages_per_seq(cfg, lo)
+        cap = cfg.cache_config.cpu_kv_cache_space_bytes // lo.page_bytes
+        return max(2, min(full, cap) + 1)
+    total = torch.cuda.get_device_properties(runner.device).total_memory
+    weights = torch.cuda.memory_allocated()
+    peak = profile_prefill_peak(runner)
+    graphs = 0 if cfg.model_config.enforce_eager else decode_graph_reserve(cfg)
+    budget = int(total * cfg.cache_config.gpu_memory_utilization) - peak - graphs
+    num = max(budget // lo.page_bytes, 0)
+    logger.info("Memory split (GiB): total %.2f x %.2f; weights %.2f; peak activations %.2f; "
+                "decode graphs reserved %.2f; KV pages %.2f (%d pages of %d KiB)",
+                total / GiB, cfg.cache_config.gpu_memory_utilization, weights / GiB,
+                (peak - weights) / GiB, graphs / GiB, num * lo.page_bytes / GiB, num,
+                lo.page_bytes >> 10)
+    return num + 1
+
+
+def fit_config_to_pages(config: VllmConfig, layout: PageLayout, num_pages: int) -> VllmConfig:
+    """Lowers max_model_len when one full-length sequence cannot fit, or fails with the flags
+    to change. Returns a new config (configs are immutable)."""
+    usable = num_pages - 1
+    need = pages_per_seq(config, layout)
+    if usable >= need:
+        return config
+    mc = config.model_config
+    cross = -(-mc.max_encoder_seq_len // layout.cross_block_size)
+    fit_len = (usable - cross) * layout.block_size
+    if fit_len < 256:
+        raise ValueError(
+            f"The KV cache has room for {usable} pages, but one sequence needs {need} "
+            f"(max_model_len {mc.max_model_len}, {mc.limit_images_per_prompt} image(s)). Raise "
+            "--gpu-memory-utilization, or lower --max-model-len, --limit-mm-per-prompt or "
+            "--max-num-batched-tokens.")
+    logger.warning("max_model_len %d does not fit in the KV cache (%d pages); lowering it to %d."
+                   " Set --max-model-len to choose.", mc.max_model_len, usable, fit_len)
+    mc = dataclasses.replace(mc, max_model_len=fit_len)
+    sc = dataclasses.replace(config.scheduler_config, max_model_len=fit_len)
+    return dataclasses.replace(config, model_config=mc, scheduler_config=sc)

@@ -1,0 +1,239 @@
+"""Runs one scheduled step: inputs -> forward (eager or graph replay) -> sampling.
+
+Prefill steps run eagerly over packed prompts and all their images at once. Decode steps read
+their inputs from the persistent device rows (``decode_state.py``): the host sends only which
+rows run (and appended pages); sampled tokens and positions are advanced on the device.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+
+import torch
+
+from vllm.attention.metadata import AttentionMetadata
+from vllm.attention.selector import get_attn_backend
+from vllm.config import VllmConfig
+from vllm.core.scheduler import SchedulerOutput
+from vllm.core.sequence import Sequence
+from vllm.forward_context import set_forward_context
+from vllm.logger import init_logger
+from vllm.model_executor.layers.sampler import (
+    Sampler,
+    SamplerOutput,
+    SamplingMetadata,
+    SamplingRow,
+    compute_prompt_logprobs,
+)
+from vllm.model_executor.model_loader.loader import get_model
+from vllm.worker.cache_engine import CacheEngine, PageLayout
+from vllm.worker.decode_state import DecodeInputs, DecodeRows
+from vllm.worker.prefill_inputs import PrefillItem, build_prefill_batch
+
+logger = init_logger(__name__)
+
+
+@dataclass
+class RunnerStats:
+    """Counters readable by tests, benchmarks and /metrics."""
+
+    graph_replays: Counter = field(default_factory=Counter)  # (family, bucket) -> replays
+    eager_decode_steps: int = 0
+    prefill_steps: int = 0
+    host_time_s: float = 0.0  # host time spent launching steps
+    steps: int = 0
+
+
+@dataclass
+class StepOutput:
+    """Host results of one step: one entry per sampling sequence, in order."""
+
+    seqs: list[Sequence]
+    token_ids: list[int]
+    logprobs: list[list[float]] | None = None  # [sampled, top-k...]
+    logprob_ids: list[list[int]] | None = None
+    ranks: list[int] | None = None
+    prompt_logprobs: dict[str, tuple[list, list, list]] = field(default_factory=dict)
+
+
+def decode_metadata(inputs: DecodeInputs, max_seq_len: int,
+                    max_encoder_seq_len: int) -> AttentionMetadata:
+    """Decode-step metadata from gathered rows (host maxima given by the caller)."""
+    n = inputs.input_ids.shape[0]
+    return AttentionMetadata(
+        is_prefill=False, num_seqs=n, num_tokens=n, slot_mapping=inputs.slot_mapping,
+        seq_lens_tensor=inputs.seq_lens, max_seq_len=max_seq_len,
+        block_tables=inputs.block_tables, encoder_seq_lens_tensor=inputs.encoder_seq_lens,
+        max_encoder_seq_len=max_encoder_seq_len, cross_block_tables=inputs.cross_block_tables)
+
+
+class ModelRunner:
+    """Owns the model, its KV pages, the decode rows, the sampler and the decode graphs."""
+
+    def __init__(self, config: VllmConfig) -> None:
+        self.config = config
+        mc = config.model_config
+        self.device = config.device_config.device
+        self.model = get_model(mc.spec, mc.model_path, mc.load_format, mc.dtype, self.device,
+                               max_position=mc.max_model_len, seed=mc.seed)
+        self.backend = get_attn_backend(self.device)
+        selfs, crosses = self.model.attention_layers()
+        for attn in (*selfs, *crosses):
+            attn.backend = self.backend
+        self.layout = PageLayout.for_model(mc.spec, config.cache_config.block_size, mc.dtype)
+        self.sampler = Sampler()
+        self.vocab_size = mc.spec.text.vocab_size
+        self.cache_engine: CacheEngine | None = None
+        self.rows: DecodeRows | None = None
+        self.graphs = None  # DecodeGraphRunner, when not enforce_eager
+        self.stats = RunnerStats()
+
+    # ------------------------------------------------------------------ set-up
+    @property
+    def max_pages_per_seq(self) -> int:
+        return -(-self.config.model_config.max_model_len // self.layout.block_size)
+
+    @property
+    def max_cross_pages(self) -> int:
+        return -(-self.config.model_config.max_encoder_seq_len // self.layout.cross_block_size)
+
+    def initialize_cache(self, num_pages: int) -> None:
+        self.cache_engine = CacheEngine(self.layout, num_pages, self.device)
+        self.cache_engine.bind(self.model)
+        self.rows = DecodeRows(self.config.scheduler_config.max_num_seqs, self.max_pages_per_seq,
+                               self.max_cross_pages, self.layout.block_size, self.device)
+        if not self.config.model_config.enforce_eager:
+            from vllm.worker.cuda_graph import DecodeGraphRunner
+
+            self.graphs = DecodeGraphRunner(self)
+            self.graphs.capture()
+
+    # ------------------------------------------------------------------ steps
+    @torch.inference_mode()
+    def execute(self, out: SchedulerOutput) -> StepOutput:
+        start = time.perf_counter()
+        if out.is_prefill:
+            result, sampler_out = self._prefill(out)
+        else:
+            result, sampler_out = self._decode(out)
+        self.stats.host_time_s += time.perf_counter() - start
+        self.stats.steps += 1
+        return self._to_host(result, sampler_out)
+
+    def release(self, seq: Sequence) -> None:
+        if seq.row >= 0:
+            assert self.rows is not None
+            self.rows.release(seq.row)
+            seq.row = -1
+
+    def _sampling_rows(self, seqs: list[Sequence]) -> SamplingMetadata:
+        rows = []
+        for s in seqs:
+            p = s.request.params
+            stop_ids = tuple(p.all_stop_token_ids) if p.min_tokens else ()
+            rows.append(SamplingRow(p, s.request.inputs.prompt_token_ids, s.output_token_ids,
+                                    s.generator, stop_ids))
+        return SamplingMetadata.build(rows, self.vocab_size, self.device)
+
+    def _prefill(self, out: SchedulerOutput) -> tuple[StepOutput, SamplerOutput]:
+        assert self.cache_engine is not None and self.rows is not None
+        lo = self.layout
+        items = []
+        for s in out.prefill_seqs:
+            req = s.request
+            write_cross = req.has_images and not req.cross_written
+            items.append(PrefillItem(list(s.token_ids), req.inputs, req, s.block_table,
+                                     req.cross_block_table, write_cross))
+            if write_cross:
+                req.cross_written = True
+        batch = build_prefill_batch(items, lo.block_size, lo.cross_block_size, self.device)
+        vision = None
+        if batch.pixel_values is not None:
+            vision = self.model.encode_images(batch.pixel_values, batch.aspect_ratio_ids,
+                                              batch.num_tiles)
+        with set_forward_context(batch.metadata):
+            hidden = self.model(batch.input_ids, batch.positions, vision)
+        result = StepOutput(seqs=[], token_ids=[])
+        self._prompt_logprobs(out, batch, hidden, result)
+        logits = self.model.compute_logits(hidden[batch.logits_indices])
+        expand = [i for i, group in enumerate(out.samplers) for _ in group]
+        sample_seqs = [s for group in out.samplers for s in group]
+        if len(expand) != len(out.prefill_seqs):
+            logits = logits[torch.tensor(expand, device=self.device)]
+        sampler_out = self.sampler(logits, self._sampling_rows(sample_seqs))
+        rows = []
+        for s in sample_seqs:
+            s.row = self.rows.acquire()
+            rows.append(s.row)
+            self.rows.load(s.row, s.block_table, s.request.cross_block_table,
+                           s.request.inputs.encoder_seq_len, len(s.token_ids))
+        self.cache_engine.copy_pages(out.page_copies)
+        self.rows.set_tokens(torch.tensor(rows, device=self.device),
+                             sampler_out.sampled_token_ids)
+        self.stats.prefill_steps += 1
+        result.seqs = sample_seqs
+        return result, sampler_out
+
+    def _prompt_logprobs(self, out: SchedulerOutput, batch, hidden: torch.Tensor,
+                         result: StepOutput) -> None:
+        start = 0
+        for s, n in zip(out.prefill_seqs, batch.metadata.seq_lens or [], strict=True):
+            req = s.request
+            k = req.params.prompt_logprobs
+            if k is not None and req.prompt_logprobs is None and n > 1:
+                logits = self.model.compute_logits(hidden[start:start + n - 1])
+                targets = torch.tensor(s.token_ids[1:n], device=self.device)
+                vals, ids, ranks = compute_prompt_logprobs(logits, targets, k)
+                result.prompt_logprobs[req.request_id] = (
+                    vals.cpu().tolist(), ids.cpu().tolist(), ranks.cpu().tolist())
+            start += n
+
+    def _decode(self, out: SchedulerOutput) -> tuple[StepOutput, SamplerOutput]:
+        assert self.rows is not None
+        seqs = out.decode_seqs
+        self.rows.set_pages([(s.row, len(s.block_table) - 1, p) for s, p in out.new_pages])
+        max_enc = max(s.request.inputs.encoder_seq_len for s in seqs)
+        row_ids = [s.row for s in seqs]
+        if self.graphs is not None:
+            logits = self.graphs.run(row_ids, cross=max_enc > 0)
+        else:
+            logits = self._eager_decode(seqs, row_ids, max_enc)
+            self.stats.eager_decode_steps += 1
+        sampler_out = self.sampler(logits, self._sampling_rows(seqs))
+        rows_t = torch.tensor(row_ids, device=self.device)
+        self.rows.advance(rows_t, sampler_out.sampled_token_ids)
+        return StepOutput(seqs=list(seqs), token_ids=[]), sampler_out
+
+    def _eager_decode(self, seqs: list[Sequence], row_ids: list[int],
+                      max_enc: int) -> torch.Tensor:
+        assert self.rows is not None
+        width = max(len(s.block_table) for s in seqs)
+        cross_width = max(max(len(s.request.cross_block_table) for s in seqs), 1)
+        rows_t = torch.tensor(row_ids, device=self.device)
+        return self.decode_forward(rows_t, width, cross_width, max(len(s) for s in seqs),
+                                   max_enc)
+
+    def decode_forward(self, rows: torch.Tensor, width: int, cross_width: int,
+                       max_seq_len: int, max_encoder_seq_len: int) -> torch.Tensor:
+        """The decode forward on a row index tensor: gather inputs, run, logits [B, V].
+
+        This is exactly what a decode graph captures (with static widths and maxima)."""
+        assert self.rows is not None
+        inputs = self.rows.gather(rows, width, cross_width)
+        md = decode_metadata(inputs, max_seq_len, max_encoder_seq_len)
+        with set_forward_context(md):
+            hidden = self.model(inputs.input_ids, inputs.positions, None)
+        return self.model.compute_logits(hidden)
+
+    # ------------------------------------------------------------------ results
+    def _to_host(self, result: StepOutput, out: SamplerOutput) -> StepOutput:
+        n = len(result.seqs)
+        result.token_ids = out.sampled_token_ids[:n].cpu().tolist()
+        if out.logprobs is not None:
+            assert out.logprob_token_ids is not None and out.sampled_ranks is not None
+            result.logprobs = out.logprobs[:n].cpu().tolist()
+            result.logprob_ids = out.logprob_token_ids[:n].cpu().tolist()
+            result.ranks = out.sampled_ranks[:n].cpu().tolist()
+        return result
