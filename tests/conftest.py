@@ -13,6 +13,18 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 
+def _cuda_available() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
+
+
+# Without a GPU, Triton kernels run in Triton's interpreter (on CPU tensors). The flag is read
+# when kernels are defined, so it is set before any test imports them.
+if not _cuda_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     import torch
 

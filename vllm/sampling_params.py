@@ -13,7 +13,7 @@ import math
 from collections.abc import Iterable
 from dataclasses import dataclass, fields
 from enum import Enum, IntEnum
-from numbers import Integral
+from numbers import Integral, Real
 from typing import Any
 
 # Temperatures below this are greedy decoding (vLLM's ``_SAMPLING_EPS``).
@@ -77,7 +77,7 @@ def _check_int(name: str, value: Any, minimum: int) -> None:
 
 
 def _check_float(name: str, value: Any) -> float:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or math.isnan(value):
+    if isinstance(value, bool) or not isinstance(value, Real) or math.isnan(value):
         raise ValueError(f"{name} must be a number, got {value!r}.")
     return float(value)
 
@@ -154,7 +154,7 @@ class SamplingParams:
                 self.output_kind = RequestOutputKind(self.output_kind)
             except ValueError as e:
                 raise ValueError(f"output_kind must be 0, 1 or 2, got {self.output_kind!r}.") from e
-        if isinstance(self.temperature, (int, float)) and self.temperature < _SAMPLING_EPS:
+        if isinstance(self.temperature, Real) and self.temperature < _SAMPLING_EPS:
             # Greedy: the filters cannot change an argmax, so make them neutral (as vLLM does).
             self.top_p, self.top_k, self.min_p = 1.0, 0, 0.0
 
@@ -182,7 +182,9 @@ class SamplingParams:
         if not 0.0 < _check_float("top_p", self.top_p) <= 1.0:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}.")
         if not _is_int(self.top_k) or self.top_k < 0:
-            raise ValueError(f"top_k must be -1 (disable), 0 (disable) or at least 1, got {self.top_k!r}.")
+            raise ValueError(
+                f"top_k must be -1 (disable), 0 (disable) or at least 1, got {self.top_k!r}."
+            )
         if not 0.0 <= _check_float("min_p", self.min_p) <= 1.0:
             raise ValueError(f"min_p must be in [0, 1], got {self.min_p}.")
         if self.seed is not None and not _is_int(self.seed):

@@ -63,7 +63,7 @@ def _make_decoder(
 
 
 def _last(text: str, count: int) -> str:
-    return text[len(text) - count :] if count > 0 else ""
+    return text[max(0, len(text) - count) :] if count > 0 else ""
 
 
 class IncrementalDetokenizer:
@@ -132,11 +132,10 @@ class IncrementalDetokenizer:
         result = self._emit(self._decode_window(final=True), check_stop=True)
         if result.stop_string is not None:
             return result
-        text = result.new_text + self._unreleased
-        self._release(text)
-        self._unreleased = ""
+        held, self._unreleased = self._unreleased, ""
+        self._release(held)
         self._finished = True
-        return DetokenizeResult(text)
+        return DetokenizeResult(result.new_text + held)
 
     # ------------------------------------------------------------------ internals
     def _decode_window(self, final: bool) -> str:

@@ -125,7 +125,7 @@ def fit_config_to_pages(config: VllmConfig, layout: PageLayout, num_pages: int) 
     mc = config.model_config
     cross = -(-mc.max_encoder_seq_len // layout.cross_block_size)
     fit_len = (usable - cross) * layout.block_size
-    if fit_len < 256:
+    if fit_len < 2 * layout.block_size:
         raise ValueError(
             f"The KV cache has room for {usable} pages, but one sequence needs {need} "
             f"(max_model_len {mc.max_model_len}, {mc.limit_images_per_prompt} image(s)). Raise "

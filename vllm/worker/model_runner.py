@@ -26,6 +26,7 @@ from vllm.model_executor.layers.sampler import (
     SamplingMetadata,
     SamplingRow,
     compute_prompt_logprobs,
+    make_generator,
 )
 from vllm.model_executor.model_loader.loader import get_model
 from vllm.worker.cache_engine import CacheEngine, PageLayout
@@ -132,6 +133,9 @@ class ModelRunner:
         rows = []
         for s in seqs:
             p = s.request.params
+            if s.generator is None and p.seed is not None:
+                # One generator per sibling: same seed, same tokens, whatever the batch.
+                s.generator = make_generator(p.seed + s.index, self.device)
             stop_ids = tuple(p.all_stop_token_ids) if p.min_tokens else ()
             rows.append(SamplingRow(p, s.request.inputs.prompt_token_ids, s.output_token_ids,
                                     s.generator, stop_ids))

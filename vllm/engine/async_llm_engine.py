@@ -1,0 +1,196 @@
+"""``AsyncLLMEngine``: the engine loop on its own thread, driven from asyncio.
+
+The event loop never runs model steps or image processing: input processing (tokenising,
+image decoding and tiling) runs in a thread pool, and the engine thread owns the
+``LLMEngine``. Commands (add, abort) reach the engine thread through a queue; outputs come back
+to per-request asyncio queues with ``call_soon_threadsafe``. If the engine loop itself fails,
+every pending request gets :class:`EngineDeadError` and health checks fail; one bad request
+only fails itself.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import queue
+import threading
+import traceback
+from collections.abc import AsyncIterator
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any
+
+from vllm.engine.arg_utils import EngineArgs
+from vllm.engine.llm_engine import LLMEngine
+from vllm.logger import init_logger
+from vllm.outputs import RequestOutput
+from vllm.sampling_params import SamplingParams
+
+logger = init_logger(__name__)
+
+
+class EngineDeadError(RuntimeError):
+    """The engine loop stopped on an error; no request can be served."""
+
+
+@dataclass
+class _Add:
+    request_id: str
+    processed: Any
+    params: SamplingParams
+    stream: _Stream
+
+
+@dataclass
+class _Abort:
+    request_id: str
+
+
+class _Stream:
+    """A request's output queue on the event loop."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self.loop = loop
+        self.queue: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
+
+    def put(self, item: RequestOutput | BaseException) -> None:
+        self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
+
+
+class AsyncLLMEngine:
+    """Async facade over :class:`LLMEngine` running on a background thread."""
+
+    def __init__(self, engine: LLMEngine, input_workers: int = 4) -> None:
+        self.engine = engine
+        self._commands: queue.Queue[_Add | _Abort | None] = queue.Queue()
+        self._streams: dict[str, _Stream] = {}
+        self._pool = ThreadPoolExecutor(max_workers=input_workers,
+                                        thread_name_prefix="vllm-input")
+        self.dead_error: BaseException | None = None
+        self._stopping = False
+        self._thread = threading.Thread(target=self._loop, name="vllm-engine", daemon=True)
+        self._thread.start()
+
+    @classmethod
+    def from_engine_args(cls, args: EngineArgs) -> AsyncLLMEngine:
+        return cls(LLMEngine.from_engine_args(args))
+
+    # ------------------------------------------------------------------ public API
+    @property
+    def errored(self) -> bool:
+        return self.dead_error is not None
+
+    @property
+    def is_running(self) -> bool:
+        return self._thread.is_alive() and not self.errored
+
+    async def check_health(self) -> None:
+        if self.dead_error is not None:
+            raise EngineDeadError(f"engine loop died: {self.dead_error!r}")
+        if not self._thread.is_alive():
+            raise EngineDeadError("engine loop is not running")
+
+    def get_tokenizer(self) -> Any:
+        return self.engine.get_tokenizer()
+
+    @property
+    def config(self) -> Any:
+        return self.engine.config
+
+    async def process_inputs(self, prompt: Any) -> Any:
+        """Tokenises and processes images off the event loop (raises ValueError on bad input)."""
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self._pool, self.engine.process_inputs, prompt)
+
+    async def generate(self, prompt: Any, sampling_params: SamplingParams, request_id: str,
+                       processed: Any = None) -> AsyncIterator[RequestOutput]:
+        """Streams a request's outputs; aborts it if the consumer goes away."""
+        await self.check_health()
+        if processed is None:
+            processed = await self.process_inputs(prompt)
+        stream = _Stream(asyncio.get_running_loop())
+        if request_id in self._streams:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        self._streams[request_id] = stream
+        self._commands.put(_Add(request_id, processed, sampling_params, stream))
+        finished = False
+        try:
+            while True:
+                item = await stream.queue.get()
+                if isinstance(item, BaseException):
+                    raise item
+                finished = item.finished
+                yield item
+                if finished:
+                    return
+        finally:
+            self._streams.pop(request_id, None)
+            if not finished:
+                self._commands.put(_Abort(request_id))
+
+    async def abort(self, request_id: str) -> None:
+        self._commands.put(_Abort(request_id))
+
+    def shutdown(self, timeout: float = 10.0) -> None:
+        """Stops the loop; pending requests get EngineDeadError."""
+        self._stopping = True
+        self._commands.put(None)
+        self._thread.join(timeout)
+        self._pool.shutdown(wait=False, cancel_futures=True)
+
+    def stats(self) -> dict[str, Any]:
+        """A snapshot for /metrics (read without locking: small races are harmless)."""
+        sched = self.engine.scheduler
+        runner = self.engine.runner
+        return {
+            "num_running": len(sched.running),
+            "num_waiting": len(sched.waiting),
+            "kv_cache_usage": self.engine.kv_cache_usage(),
+            "num_preemptions": sched.num_preemptions,
+            "graph_replays": dict(runner.stats.graph_replays),
+            "eager_decode_steps": runner.stats.eager_decode_steps,
+        }
+
+    # ------------------------------------------------------------------ engine thread
+    def _handle(self, cmd: _Add | _Abort) -> None:
+        engine = self.engine
+        if isinstance(cmd, _Abort):
+            engine.abort_request(cmd.request_id)
+            return
+        try:
+            engine.add_request(cmd.request_id, None, cmd.params, processed=cmd.processed)
+        except Exception as e:  # bad request: fail it alone
+            cmd.stream.put(e)
+
+    def _drain(self, block: bool) -> bool:
+        """Applies queued commands; returns False when asked to stop."""
+        try:
+            cmd = self._commands.get(timeout=0.5) if block else self._commands.get_nowait()
+        except queue.Empty:
+            return True
+        while True:
+            if cmd is None:
+                return False
+            self._handle(cmd)
+            try:
+                cmd = self._commands.get_nowait()
+            except queue.Empty:
+                return True
+
+    def _loop(self) -> None:
+        engine = self.engine
+        try:
+            while True:
+                if not self._drain(block=not engine.has_unfinished_requests()):
+                    break
+                if not engine.has_unfinished_requests():
+                    continue
+                for out in engine.step():
+                    stream = self._streams.get(out.request_id)
+                    if stream is not None:
+                        stream.put(out)
+        except BaseException as e:  # the loop itself failed: fail everyone, stay dead
+            self.dead_error = e
+            logger.error("Engine loop failed:\n%s", traceback.format_exc())
+        err = self.dead_error or EngineDeadError("engine shut down")
+        for stream in list(self._streams.values()):
+            stream.put(EngineDeadError(f"engine loop stopped: {err!r}"))
