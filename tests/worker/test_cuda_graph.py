@@ -1,0 +1,167 @@
+"""Decode graphs for every batch: family selection, padding, no host syncs, equality with eager.
+
+On CPU the graph runner emulates capture (same padded buffers, same capture-time scalars); on
+CUDA the same tests replay real graphs.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from helpers.compare import check_logprobs_close, vllm_greedy
+from PIL import Image
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from vllm import LLM, SamplingParams
+
+DTYPE = "bfloat16" if torch.cuda.is_available() else "float32"
+aten = torch.ops.aten
+HOST_SYNC_OPS = {aten._local_scalar_dense.default, aten.nonzero.default,
+                 aten.is_nonzero.default, aten.item.default}
+
+
+class NoHostSync(TorchDispatchMode):
+    """Fails on any op that reads device data on the host (illegal during graph capture)."""
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func in HOST_SYNC_OPS:
+            raise AssertionError(f"host-device synchronisation in a captured region: {func}")
+        return func(*args, **(kwargs or {}))
+
+
+def _image(w: int, h: int, seed: int) -> Image.Image:
+    rng = np.random.default_rng(seed)
+    return Image.fromarray(rng.integers(0, 256, (h, w, 3), dtype=np.uint8))
+
+
+def _prompt(i: int):
+    if i % 2:
+        return f"Text only prompt {i} is about"
+    return {"prompt": f"<|image|><|begin_of_text|>Picture {i}:",
+            "multi_modal_data": {"image": _image(40 + 16 * (i % 5), 56, i)}}
+
+
+def _llm(eager: bool, **kw) -> LLM:
+    args = dict(model="demo/mllama-tiny", dtype=DTYPE, max_model_len=256, max_num_seqs=16,
+                enforce_eager=eager)
+    args.update(kw)
+    return LLM(**args)
+
+
+@pytest.fixture(scope="module")
+def pair() -> tuple[LLM, LLM]:
+    return _llm(False), _llm(True)
+
+
+def test_buckets_cover_max_num_seqs(pair) -> None:
+    graphs = pair[0].llm_engine.runner.graphs
+    assert graphs is not None and pair[1].llm_engine.runner.graphs is None
+    assert graphs.sizes == [1, 2, 4, 8, 16]
+    assert [graphs.bucket_for(n) for n in (1, 2, 3, 4, 5, 9, 16)] == [1, 2, 4, 4, 8, 16, 16]
+    with pytest.raises(RuntimeError):
+        graphs.bucket_for(17)
+
+
+def _start_decoding(llm: LLM, n: int) -> None:
+    engine = llm.llm_engine
+    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    for i in range(n):
+        engine.add_request(f"d{i}", _prompt(i), params)
+    while engine.scheduler.waiting:
+        engine.step()
+    engine.step()  # one decode step
+
+
+def _finish(llm: LLM) -> None:
+    engine = llm.llm_engine
+    engine.abort_request(list(engine.scheduler.requests))
+    engine.check_integrity()
+
+
+@pytest.mark.parametrize("family", ["text", "cross"])
+def test_captured_forward_has_no_host_sync(pair, family: str) -> None:
+    llm = pair[0]
+    _start_decoding(llm, 3)
+    graphs = llm.llm_engine.runner.graphs
+    rows = [s.row for r in llm.llm_engine.scheduler.running for s in r.seqs]
+    graphs.static_rows[:3] = torch.tensor(rows)
+    with torch.inference_mode(), NoHostSync():
+        logits = graphs.forward(4, family)
+    assert logits.shape[0] == 4 and torch.isfinite(logits[:3]).all()
+    _finish(llm)
+
+
+def test_no_host_sync_guard_works() -> None:
+    with pytest.raises(AssertionError, match="host-device"), NoHostSync():
+        x = torch.ones(3)
+        if x.sum() > 0:  # a Python branch on tensor data
+            pass
+
+
+def test_graph_equals_eager_padded_to_same_bucket(pair) -> None:
+    """Same shapes, same kernels: replay and an eager forward on the padded batch are bitwise
+    equal (both families)."""
+    llm = pair[0]
+    _start_decoding(llm, 3)
+    runner = llm.llm_engine.runner
+    graphs = runner.graphs
+    rows = [s.row for r in llm.llm_engine.scheduler.running for s in r.seqs]
+    padded = torch.tensor(rows + [graphs.null_row], device=runner.device)
+    with torch.inference_mode():
+        for cross in (False, True):
+            replayed = graphs.run(rows, cross=cross).clone()
+            eager = runner.decode_forward(padded, graphs.width, graphs.cross_width,
+                                          graphs.max_seq_len,
+                                          graphs.max_encoder_seq_len if cross else 0)[:3]
+            assert torch.equal(replayed, eager)
+    _finish(llm)
+
+
+@pytest.mark.parametrize("batch", [1, 2, 3, 5, 8, 11, 16])
+def test_graph_matches_unpadded_eager(pair, batch: int) -> None:
+    """Mixed text/image batches at every bucket, padding included (3 in 4, 5 in 8, ...)."""
+    graph_llm, eager_llm = pair
+    prompts = [_prompt(i) for i in range(batch)]
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=5)
+    before = sum(graph_llm.llm_engine.runner.stats.graph_replays.values())
+    g = graph_llm.generate(prompts, params, use_tqdm=False)
+    e = eager_llm.generate(prompts, params, use_tqdm=False)
+    check_logprobs_close(vllm_greedy(e), vllm_greedy(g), "eager", "graph")
+    stats = graph_llm.llm_engine.runner.stats
+    assert stats.eager_decode_steps == 0
+    assert sum(stats.graph_replays.values()) - before >= 11  # every decode step replayed
+    graph_llm.llm_engine.check_integrity()
+
+
+def test_family_switches_as_image_requests_finish(pair) -> None:
+    graph_llm, eager_llm = pair
+    short = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True, logprobs=5)
+    long = SamplingParams(temperature=0, max_tokens=14, ignore_eos=True, logprobs=5)
+    prompts = [_prompt(0), _prompt(1), _prompt(2), _prompt(3)]
+    params = [short, long, short, long]  # the image requests (even) finish first
+    stats = graph_llm.llm_engine.runner.stats
+    before = stats.graph_replays.copy()
+    g = graph_llm.generate(prompts, params, use_tqdm=False)
+    e = eager_llm.generate(prompts, params, use_tqdm=False)
+    check_logprobs_close(vllm_greedy(e), vllm_greedy(g), "eager", "graph")
+    delta = stats.graph_replays - before
+    assert delta[("cross", 4)] >= 1 and delta[("text", 2)] >= 1
+
+
+def test_text_family_skips_cross_layers(pair) -> None:
+    """A text-only batch never runs a cross-attention layer."""
+    llm = pair[0]
+    model = llm.llm_engine.runner.model
+    calls = []
+    layers = [m for m in model.modules() if type(m).__name__ == "MllamaCrossAttentionDecoderLayer"]
+    hooks = [m.register_forward_hook(lambda *a: calls.append(1)) for m in layers]
+    try:
+        llm.generate(["Only text here", "More text"],
+                     SamplingParams(temperature=0, max_tokens=4), use_tqdm=False)
+        assert calls == []
+        llm.generate([_prompt(0)], SamplingParams(temperature=0, max_tokens=4), use_tqdm=False)
+        assert calls
+    finally:
+        for h in hooks:
+            h.remove()
