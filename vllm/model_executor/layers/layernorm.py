@@ -1,4 +1,7 @@
-"""RMSNorm with the reference's numerics: float32 statistics, weight applied in the input dtype."""
+"""RMSNorm with the reference's numerics: float32 statistics, weight applied in the input dtype.
+
+On CUDA the norm (and the residual add before it) is one Triton kernel; elsewhere plain torch.
+"""
 
 from __future__ import annotations
 
@@ -6,16 +9,33 @@ import torch
 from torch import nn
 
 
+def rms_norm_ref(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    dtype = x.dtype
+    xf = x.float()
+    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * xf.to(dtype)
+
+
 class RMSNorm(nn.Module):
-    """Root-mean-square norm over the last dimension."""
+    """Root-mean-square norm over the last dimension.
+
+    ``forward(x)`` returns the norm of x. ``forward(x, residual)`` first forms
+    ``residual = residual + x`` (rounded to the activation dtype, as the reference does) and
+    returns ``(norm(residual), residual)``; on CUDA the residual is updated in place.
+    """
 
     def __init__(self, hidden_size: int, eps: float = 1e-6) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.ones(hidden_size), requires_grad=False)
         self.eps = eps
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        dtype = x.dtype
-        xf = x.float()
-        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * xf.to(dtype)
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
+        if x.is_cuda and x.dim() == 2 and x.stride(-1) == 1:
+            from vllm.model_executor.layers.fused_kernels import rms_norm
+
+            out = rms_norm(x, self.weight, self.eps, residual)
+            return out if residual is None else (out, residual)
+        if residual is None:
+            return rms_norm_ref(x, self.weight, self.eps)
+        residual = residual + x
+        return rms_norm_ref(residual, self.weight, self.eps), residual

@@ -53,6 +53,11 @@ class RotaryEmbedding(nn.Module):
     def forward(self, positions: torch.Tensor, q: torch.Tensor,
                 k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         # positions: [T]; q: [T, Hq * D]; k: [T, Hkv * D]
+        if q.is_cuda:
+            from vllm.model_executor.layers.fused_kernels import rotary_inplace
+
+            rotary_inplace(positions, q, k, self.cos_cache, self.sin_cache, self.head_dim)
+            return q, k
         t = positions.shape[0]
         cos = self.cos_cache[positions].to(q.dtype).unsqueeze(1)
         sin = self.sin_cache[positions].to(q.dtype).unsqueeze(1)

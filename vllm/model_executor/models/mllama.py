@@ -50,7 +50,11 @@ class LlamaSelfAttention(nn.Module):
 
 
 class LlamaDecoderLayer(nn.Module):
-    """A Llama 3.1 block: pre-norm self-attention and SwiGLU MLP with residuals."""
+    """A Llama 3.1 block: pre-norm self-attention and SwiGLU MLP with residuals.
+
+    Layers pass ``(delta, residual)``: the hidden state is ``residual + delta``, and each norm
+    performs that add (fused on CUDA) before normalising.
+    """
 
     def __init__(self, spec: TextSpec, rotary: RotaryEmbedding) -> None:
         super().__init__()
@@ -59,9 +63,15 @@ class LlamaDecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
 
-    def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-        x = x + self.self_attn(positions, self.input_layernorm(x))
-        return x + self.mlp(self.post_attention_layernorm(x))
+    def forward(self, positions: torch.Tensor, x: torch.Tensor,
+                residual: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        if residual is None:
+            residual, h = x, self.input_layernorm(x)
+        else:
+            h, residual = self.input_layernorm(x, residual)
+        h = self.self_attn(positions, h)
+        h, residual = self.post_attention_layernorm(h, residual)
+        return self.mlp(h), residual
 
 
 class MllamaCrossAttention(nn.Module):
@@ -100,15 +110,20 @@ class MllamaCrossAttentionDecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
         self.cross_attn_mlp_gate = nn.Parameter(torch.zeros(1), requires_grad=False)
 
-    def forward(self, x: torch.Tensor, vision: torch.Tensor | None,
-                row_mask: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None,
+                vision: torch.Tensor | None,
+                row_mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         # row_mask: [T, 1] bool. torch.where, not a multiply: a NaN in a masked row stays out.
-        h = self.cross_attn(self.input_layernorm(x), vision)
-        h = torch.where(row_mask, h, torch.zeros_like(h))
-        x = x + self.cross_attn_attn_gate.tanh() * h
-        h = self.mlp(self.post_attention_layernorm(x))
-        h = torch.where(row_mask, h, torch.zeros_like(h))
-        return x + self.cross_attn_mlp_gate.tanh() * h
+        if residual is None:
+            residual, h = x, self.input_layernorm(x)
+        else:
+            h, residual = self.input_layernorm(x, residual)
+        h = self.cross_attn(h, vision)
+        h = self.cross_attn_attn_gate.tanh() * torch.where(row_mask, h, torch.zeros_like(h))
+        h, residual = self.post_attention_layernorm(h, residual)
+        h = self.mlp(h)
+        return self.cross_attn_mlp_gate.tanh() * torch.where(row_mask, h, torch.zeros_like(h)), \
+            residual
 
 
 class MllamaTextModel(nn.Module):
@@ -129,16 +144,19 @@ class MllamaTextModel(nn.Module):
                 vision: torch.Tensor | None) -> torch.Tensor:
         md = get_attention_metadata()
         x = self.embed_tokens(input_ids)
+        residual = None
         skip_cross = md.skip_cross_attention
         row_mask = None if skip_cross else md.cross_row_mask()
         for layer in self.layers:
             if isinstance(layer, MllamaCrossAttentionDecoderLayer):
                 if skip_cross:
                     continue
-                x = layer(x, vision, row_mask)
+                x, residual = layer(x, residual, vision, row_mask)
             else:
-                x = layer(positions, x)
-        return self.norm(x)
+                x, residual = layer(positions, x, residual)
+        if residual is None:
+            return self.norm(x)
+        return self.norm(x, residual)[0]
 
 
 class MllamaForCausalLM(nn.Module):

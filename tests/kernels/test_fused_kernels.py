@@ -1,0 +1,75 @@
+"""Fused elementwise Triton kernels against their torch references.
+
+Without a GPU they run in Triton's interpreter on CPU tensors (tests/conftest.py sets
+TRITON_INTERPRET=1); on CUDA the same tests run the compiled kernels.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from vllm.model_executor.layers.fused_kernels import rms_norm, rotary_inplace, silu_and_mul
+from vllm.model_executor.layers.layernorm import rms_norm_ref
+from vllm.model_executor.layers.rotary_embedding import RotaryEmbedding
+from vllm.transformers_utils.config import RopeSpec
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+DTYPES = [torch.float32, torch.bfloat16]
+
+
+def _tol(dtype: torch.dtype) -> float:
+    return 1e-5 if dtype == torch.float32 else 2e-2
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape", [(1, 64), (5, 96), (3, 4096)])
+@pytest.mark.parametrize("with_residual", [False, True])
+def test_rms_norm(dtype, shape, with_residual: bool) -> None:
+    g = torch.Generator().manual_seed(hash(shape) % 1000)
+    x = torch.randn(shape, generator=g).to(DEVICE, dtype)
+    w = (1 + 0.1 * torch.randn(shape[1], generator=g)).to(DEVICE, dtype)
+    res = torch.randn(shape, generator=g).to(DEVICE, dtype) if with_residual else None
+    expected_res = (res + x) if res is not None else None
+    expected = rms_norm_ref(expected_res if res is not None else x, w, 1e-5)
+    res_in = res.clone() if res is not None else None
+    out = rms_norm(x, w, 1e-5, res_in)
+    assert torch.allclose(out.float(), expected.float(), atol=_tol(dtype), rtol=_tol(dtype))
+    if res is not None:  # residual updated in place, rounded as the reference rounds
+        if DEVICE == "cpu" and dtype == torch.bfloat16:
+            # Triton's interpreter rounds float32 -> bf16 differently from the GPU: 1 ulp.
+            assert torch.allclose(res_in.float(), expected_res.float(), rtol=8e-3, atol=0)
+        else:
+            assert torch.equal(res_in, expected_res)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("shape", [(1, 2 * 128), (4, 2 * 1500)])
+def test_silu_and_mul(dtype, shape) -> None:
+    x = torch.randn(shape, generator=torch.Generator().manual_seed(1)).to(DEVICE, dtype)
+    d = shape[1] // 2
+    expected = (F.silu(x[:, :d].float()) * x[:, d:].float())
+    assert torch.allclose(silu_and_mul(x).float(), expected, atol=_tol(dtype), rtol=_tol(dtype))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("heads", [(4, 2, 16), (32, 8, 128)])
+def test_rotary_inplace_matches_reference(dtype, heads) -> None:
+    hq, hkv, d = heads
+    rope = RopeSpec(rope_type="llama3", theta=500000.0, factor=8.0)
+    ref = RotaryEmbedding(d, 4096, rope)
+    g = torch.Generator().manual_seed(2)
+    t = 7
+    positions = torch.tensor([0, 1, 5, 100, 2047, 4095, -1])
+    qkv = torch.randn(t, (hq + 2 * hkv) * d, generator=g).to(dtype)
+    q, k = qkv[:, :hq * d], qkv[:, hq * d:(hq + hkv) * d]
+    exp_q, exp_k = ref(positions.clamp(min=0), q.clone(), k.clone())  # torch path (CPU)
+    dev_qkv = qkv.to(DEVICE)
+    dq, dk = dev_qkv[:, :hq * d], dev_qkv[:, hq * d:(hq + hkv) * d]
+    v_before = dev_qkv[:, (hq + hkv) * d:].clone()
+    rotary_inplace(positions.to(DEVICE), dq, dk, ref.cos_cache.to(DEVICE),
+                   ref.sin_cache.to(DEVICE), d)
+    assert torch.allclose(dq.float().cpu(), exp_q.float(), atol=_tol(dtype), rtol=_tol(dtype))
+    assert torch.allclose(dk.float().cpu(), exp_k.float(), atol=_tol(dtype), rtol=_tol(dtype))
+    assert torch.equal(dev_qkv[:, (hq + hkv) * d:], v_before)  # v untouched
