@@ -1,0 +1,138 @@
+"""Physical anchors for the performance report: copy bandwidth, the decode GEMV floor, and HF.
+
+The GEMV floor applies every weight matrix a decode step reads (in the engine's own fused
+layout; not the cross-attention K/V projections, whose output is cached) once per token, from
+a CUDA graph: no step can be faster than this.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+
+def copy_bandwidth(gib: float = 4.0, iters: int = 20) -> float:
+    """Device-to-device copy, bytes read + written per second (TB/s)."""
+    n = int(gib * (1 << 30)) // 2
+    src = torch.randn(n, device="cuda", dtype=torch.bfloat16)
+    dst = torch.empty_like(src)
+    for _ in range(3):
+        dst.copy_(src)
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(iters):
+        dst.copy_(src)
+    end.record()
+    torch.cuda.synchronize()
+    seconds = start.elapsed_time(end) / 1e3 / iters
+    del src, dst
+    return 2 * n * 2 / seconds / 1e12
+
+
+def decode_weights(model, with_cross: bool) -> list[torch.Tensor]:
+    """The weight matrices one decode step reads, in the engine's layout."""
+    from vllm.model_executor.models.mllama import MllamaCrossAttentionDecoderLayer
+
+    mats = []
+    for layer in model.language_model.model.layers:
+        if isinstance(layer, MllamaCrossAttentionDecoderLayer):
+            if with_cross:
+                a = layer.cross_attn
+                mats += [a.q_proj.weight, a.o_proj.weight, layer.mlp.gate_up_proj.weight,
+                         layer.mlp.down_proj.weight]
+        else:
+            a = layer.self_attn
+            mats += [a.qkv_proj.weight, a.o_proj.weight, layer.mlp.gate_up_proj.weight,
+                     layer.mlp.down_proj.weight]
+    mats.append(model.language_model.lm_head.weight)
+    return mats
+
+
+def gemv_floor(model, batch: int, with_cross: bool, iters: int = 20) -> dict:
+    """Time of x @ W^T for every decode weight, replayed from one CUDA graph."""
+    mats = decode_weights(model, with_cross)
+    xs = [torch.randn(batch, w.shape[1], device=w.device, dtype=w.dtype) for w in mats]
+    outs = []
+
+    def run() -> None:
+        outs.clear()
+        for x, w in zip(xs, mats, strict=True):
+            outs.append(torch.matmul(x, w.t()))
+
+    for _ in range(3):
+        run()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        run()
+    for _ in range(3):
+        graph.replay()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(iters):
+        graph.replay()
+    end.record()
+    torch.cuda.synchronize()
+    ms = start.elapsed_time(end) / iters
+    nbytes = sum(w.numel() * w.element_size() for w in mats)
+    del graph, outs, xs
+    return {"ms": ms, "bytes": nbytes, "tb_per_s": nbytes / (ms / 1e3) / 1e12}
+
+
+def hf_model_from(model, path: str):
+    """An HF ``MllamaForConditionalGeneration`` holding the same (dummy) weights."""
+    from transformers import AutoConfig, MllamaForConditionalGeneration
+
+    from vllm.model_executor.models.mllama_weights import to_hub_name, to_param_name
+
+    cfg = AutoConfig.from_pretrained(path)
+    old = torch.get_default_dtype()
+    torch.set_default_dtype(torch.bfloat16)
+    try:
+        with torch.device("meta"):
+            hf = MllamaForConditionalGeneration(cfg)
+    finally:
+        torch.set_default_dtype(old)
+    hf = hf.to_empty(device="cuda").eval()
+    ours = dict(model.named_parameters())
+    fused = {}
+    for mod_name, mod in model.named_modules():
+        if hasattr(mod, "shards"):
+            fused[f"{mod_name}.weight"] = mod.shards
+    with torch.no_grad():
+        for name, p in hf.named_parameters():
+            hub = to_hub_name(name)
+            target, shard = to_param_name(hub)
+            src = ours[target]
+            if shard is not None:
+                start, size = fused[target][shard]
+                src = src[start:start + size]
+            p.copy_(src.view(p.shape))
+    # to_empty() left the rotary buffers uninitialised: rebuild them from the config.
+    text = hf.model.language_model
+    text.rotary_emb = type(text.rotary_emb)(config=hf.config.text_config).to("cuda")
+    return hf
+
+
+def hf_generate_times(hf, processor, image, text_tokens: int, batch: int,
+                      new_tokens: int = 33) -> dict:
+    """TTFT and per-step decode time of HF generate() (eager, greedy)."""
+    prompt = "<|image|><|begin_of_text|>" + "hello " * (text_tokens - 3)
+    inputs = processor(text=[prompt] * batch, images=[[image]] * batch, return_tensors="pt",
+                       add_special_tokens=False).to("cuda")
+    inputs["pixel_values"] = inputs["pixel_values"].to(torch.bfloat16)
+
+    def timed(n: int) -> float:
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        hf.generate(**inputs, do_sample=False, max_new_tokens=n, min_new_tokens=n)
+        torch.cuda.synchronize()
+        return time.perf_counter() - t0
+
+    timed(2)  # warm-up
+    ttft = min(timed(1) for _ in range(2))
+    total = timed(new_tokens)
+    return {"ttft_ms": ttft * 1e3, "ms_per_step": (total - ttft) / (new_tokens - 1) * 1e3}

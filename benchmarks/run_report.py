@@ -1,0 +1,274 @@
+"""The H200 performance report in one run: 11B Instruct shape, dummy bf16 weights.
+
+Measures decode ms/step (batch 1..128; text-only, all-image (one 4-tile image each) and mixed;
+graph vs eager; 512-token prompts), TTFT of one 4-tile image + 128 tokens split into vision /
+projection / text prefill, host time per step, start-up time and memory split, capacity, and in
+the same run the anchors (copy bandwidth, GEMV floors, HF transformers generate()).
+
+    python benchmarks/run_report.py --out benchmarks/results
+
+Writes ``report.json`` and ``summary.json`` under --out and prints a table last.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+from PIL import Image
+
+sys.path.insert(0, str(Path(__file__).parent))
+from report_anchors import (  # noqa: E402
+    copy_bandwidth,
+    gemv_floor,
+    hf_generate_times,
+    hf_model_from,
+)
+
+from vllm import LLM, SamplingParams  # noqa: E402
+
+PROMPT_LEN = 512
+
+
+def sync() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def noise_image(size: int, seed: int) -> Image.Image:
+    rng = np.random.default_rng(seed)
+    return Image.fromarray(rng.integers(0, 256, (size, size, 3), dtype=np.uint8))
+
+
+def make_prompt(llm: LLM, with_image: bool, n_tokens: int, seed: int) -> dict:
+    spec = llm.llm_engine.config.model_config.spec
+    bos = llm.get_tokenizer().bos_token_id
+    span = min(20000, spec.text.vocab_size - 300)
+    body = [32 + (seed * 7 + i) % span for i in range(n_tokens - 2)]
+    tile = spec.vision.image_size
+    if with_image:  # a 2x2-tile canvas: 4 tiles
+        return {"prompt_token_ids": [bos, spec.image_token_id] + body,
+                "multi_modal_data": {"image": noise_image(2 * tile, seed)}}
+    return {"prompt_token_ids": [bos, bos] + body}
+
+
+def kv_bytes_per_step(llm: LLM) -> int:
+    engine = llm.llm_engine
+    lo = engine.runner.layout
+    per_tok = lo.num_self_layers * 2 * lo.num_kv_heads * lo.head_dim * 2
+    per_vis = lo.num_cross_layers * 2 * lo.num_kv_heads * lo.head_dim * 2
+    total = 0
+    for r in engine.scheduler.running:
+        for s in r.unfinished_seqs():
+            total += len(s) * per_tok + r.inputs.encoder_seq_len * per_vis
+    return total
+
+
+def time_decode(llm: LLM, steps: int) -> float:
+    """Wall ms per engine step (schedule + launch + sample + host processing)."""
+    engine = llm.llm_engine
+    for _ in range(3):
+        engine.step()
+    sync()
+    t0 = time.perf_counter()
+    for _ in range(steps):
+        engine.step()
+    sync()
+    return (time.perf_counter() - t0) / steps * 1e3
+
+
+def replay_ms(llm: LLM, cross: bool, bs: int, iters: int = 20) -> float:
+    """GPU time of the decode graph alone (replays on the current rows)."""
+    graphs = llm.llm_engine.runner.graphs
+    if not torch.cuda.is_available():
+        return float("nan")
+    g = graphs.graphs[("cross" if cross else "text", graphs.bucket_for(bs))]
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(iters):
+        g.replay()
+    end.record()
+    sync()
+    return start.elapsed_time(end) / iters
+
+
+def decode_grid(llm: LLM, batches: list[int], steps: int, weights: dict) -> list[dict]:
+    engine = llm.llm_engine
+    runner = engine.runner
+    params = SamplingParams(temperature=0, max_tokens=10_000, ignore_eos=True)
+    rows = []
+    for mix in ("text", "image", "mixed"):
+        for bs in batches:
+            for i in range(bs):
+                img = mix == "image" or (mix == "mixed" and i % 2 == 0)
+                engine.add_request(f"{mix}-{bs}-{i}", make_prompt(llm, img, PROMPT_LEN, i),
+                                   params)
+            while engine.scheduler.waiting:
+                engine.step()
+            cross = mix != "text"
+            host0, steps0 = runner.stats.host_time_s, runner.stats.steps
+            graph_ms = time_decode(llm, steps)
+            host_ms = (runner.stats.host_time_s - host0) / (runner.stats.steps - steps0) * 1e3
+            gpu_ms = replay_ms(llm, cross, bs)
+            kv = kv_bytes_per_step(llm)
+            saved, runner.graphs = runner.graphs, None
+            eager_ms = time_decode(llm, max(steps // 2, 4))
+            runner.graphs = saved
+            engine.abort_request(list(engine.scheduler.requests))
+            wbytes = weights["cross" if cross else "text"]
+            rows.append({"mix": mix, "batch": bs, "graph_ms": graph_ms, "gpu_ms": gpu_ms,
+                         "eager_ms": eager_ms, "host_ms_per_step": host_ms, "kv_bytes": kv,
+                         "weight_bytes": wbytes,
+                         "achieved_tb_s": (wbytes + kv) / (graph_ms / 1e3) / 1e12,
+                         "tokens_per_s": bs / (graph_ms / 1e3)})
+            print(f"decode {mix:6s} bs={bs:4d}: graph {graph_ms:7.2f} ms (gpu {gpu_ms:6.2f}), "
+                  f"eager {eager_ms:7.2f} ms, host {host_ms:.3f} ms", flush=True)
+    return rows
+
+
+def ttft_breakdown(llm: LLM, iters: int = 5) -> dict:
+    engine = llm.llm_engine
+    runner = engine.runner
+    params = SamplingParams(temperature=0, max_tokens=1)
+    prompt = make_prompt(llm, True, 128, 99)
+    processed = engine.process_inputs(prompt)
+    times = []
+    for i in range(iters + 1):
+        engine.add_request(f"ttft{i}", None, params, processed=processed)
+        sync()
+        t0 = time.perf_counter()
+        while engine.has_unfinished_requests():
+            engine.step()
+        times.append((time.perf_counter() - t0) * 1e3)
+    images = processed.images
+    pv = images.pixel_values.to(runner.device)
+    ar = images.aspect_ratio_ids.to(runner.device)
+
+    def ev(fn) -> float:
+        if not torch.cuda.is_available():
+            return float("nan")
+        fn()
+        sync()
+        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        s.record()
+        for _ in range(iters):
+            fn()
+        e.record()
+        sync()
+        return s.elapsed_time(e) / iters
+
+    with torch.inference_mode():
+        feats = runner.model.vision_model(pv, ar, images.num_tiles)
+        vision_ms = ev(lambda: runner.model.vision_model(pv, ar, images.num_tiles))
+        proj_ms = ev(lambda: runner.model.multi_modal_projector(feats))
+    return {"ttft_ms": float(np.median(times[1:])), "vision_ms": vision_ms,
+            "projection_ms": proj_ms,
+            "text_prefill_ms": float(np.median(times[1:])) - vision_ms - proj_ms}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", default="benchmarks/results")
+    ap.add_argument("--batches", default="1,8,32,64,128")
+    ap.add_argument("--steps", type=int, default=16)
+    ap.add_argument("--skip-hf", action="store_true")
+    ap.add_argument("--smoke", action="store_true",
+                    help="CPU check of the script itself on the tiny model (no timings)")
+    args = ap.parse_args()
+    if args.smoke:
+        return smoke(args)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    batches = [int(b) for b in args.batches.split(",")]
+    report: dict = {"date": time.strftime("%Y-%m-%d"), "gpu": torch.cuda.get_device_name(),
+                    "torch": torch.__version__}
+    report["copy_tb_s"] = copy_bandwidth()
+    t0 = time.perf_counter()
+    llm = LLM(model="demo/mllama-11b", load_format="dummy", dtype="bfloat16",
+              max_model_len=4096, max_num_seqs=max(batches), gpu_memory_utilization=0.6,
+              limit_mm_per_prompt={"image": 1})
+    runner = llm.llm_engine.runner
+    report["startup_s"] = time.perf_counter() - t0
+    report["capture_s"] = runner.graphs.capture_time_s
+    report["graph_memory_gib"] = runner.graphs.graph_memory_bytes / (1 << 30)
+    lo = runner.layout
+    pages = llm.llm_engine.block_manager.pool.num_allocatable
+    per_req = -(-2048 // lo.block_size) + -(-6404 // lo.cross_block_size)
+    report["kv_pages"] = pages
+    report["capacity_4tile_2k"] = pages // per_req
+    model = runner.model
+    floors = {k: gemv_floor(model, 1, k == "cross") for k in ("cross", "text")}
+    report["floor"] = floors
+    weights = {k: v["bytes"] for k, v in floors.items()}
+    print(f"copy {report['copy_tb_s']:.2f} TB/s; floors: cross {floors['cross']['ms']:.2f} ms, "
+          f"text {floors['text']['ms']:.2f} ms", flush=True)
+    report["ttft"] = ttft_breakdown(llm)
+    report["decode"] = decode_grid(llm, batches, args.steps, weights)
+    stats = runner.stats
+    replays = sum(stats.graph_replays.values())
+    report["graph_replay_fraction"] = replays / max(replays + stats.eager_decode_steps, 1)
+    if not args.skip_hf:
+        llm.llm_engine.runner.cache_engine = None
+        torch.cuda.empty_cache()
+        from transformers import AutoProcessor
+
+        path = str(llm.llm_engine.config.model_config.model_path)
+        hf = hf_model_from(model, path)
+        proc = AutoProcessor.from_pretrained(path)
+        report["hf"] = {f"bs{b}": hf_generate_times(hf, proc, noise_image(1120, 5), 128, b)
+                        for b in (1, 8)}
+    (out / "report.json").write_text(json.dumps(report, indent=1, default=str))
+    write_summary(report, out)
+
+
+def smoke(args: argparse.Namespace) -> None:
+    """Runs the measurement code paths on the tiny demo model on CPU."""
+    global PROMPT_LEN
+    PROMPT_LEN = 40
+    llm = LLM(model="demo/mllama-tiny", max_model_len=512, max_num_seqs=4)
+    for name in ("noise_image", "make_prompt"):
+        assert callable(globals()[name])
+    weights = {"cross": 1, "text": 1}
+    report = {"copy_tb_s": 1.0, "floor": {"cross": {"ms": 1.0}, "text": {"ms": 1.0}},
+              "ttft": ttft_breakdown(llm, iters=1), "startup_s": 0, "capture_s": 0,
+              "graph_memory_gib": 0, "kv_pages": 0, "capacity_4tile_2k": 0,
+              "decode": decode_grid(llm, [1, 2, 4], 2, weights), "graph_replay_fraction": 1.0}
+    Path(args.out).mkdir(parents=True, exist_ok=True)
+    write_summary(report, Path(args.out))
+
+
+def write_summary(report: dict, out: Path) -> None:
+    d = {(r["mix"], r["batch"]): r for r in report["decode"]}
+    summary = {
+        "decode_bs1_image_ms": d[("image", 1)]["graph_ms"],
+        "floor_cross_ms": report["floor"]["cross"]["ms"],
+        "decode_bs1_text_ms": d[("text", 1)]["graph_ms"],
+        "floor_text_ms": report["floor"]["text"]["ms"],
+        "ttft_image_ms": report["ttft"]["ttft_ms"],
+        "bs64_mixed_bandwidth_fraction": (
+            d[("mixed", 64)]["achieved_tb_s"] / report["copy_tb_s"] if ("mixed", 64) in d
+            else None),
+        "graph_replay_fraction": report["graph_replay_fraction"],
+        "hf_bs1_image_ms": report.get("hf", {}).get("bs1", {}).get("ms_per_step"),
+        "copy_tb_s": report["copy_tb_s"],
+    }
+    (out / "summary.json").write_text(json.dumps(summary, indent=1))
+    print("\n| mix | bs | graph ms | gpu ms | eager ms | host ms | tok/s | TB/s |")
+    print("|---|---|---|---|---|---|---|---|")
+    for r in report["decode"]:
+        print(f"| {r['mix']} | {r['batch']} | {r['graph_ms']:.2f} | {r['gpu_ms']:.2f} | "
+              f"{r['eager_ms']:.2f} | {r['host_ms_per_step']:.3f} | {r['tokens_per_s']:.0f} | "
+              f"{r['achieved_tb_s']:.2f} |")
+    print(json.dumps(summary, indent=1))
+    print(json.dumps({k: report[k] for k in ("startup_s", "capture_s", "graph_memory_gib",
+                                             "kv_pages", "capacity_4tile_2k", "ttft")},
+                     indent=1, default=str))
+
+
+if __name__ == "__main__":
+    main()
