@@ -13,9 +13,21 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from vllm.model_executor.layers.linear import Linear, MergedLinear
 from vllm.transformers_utils.config import VisionSpec
+
+# cuDNN's attention is the fastest SDPA back-end for these shapes on Hopper (head_dim 80).
+_CUDA_SDPA_ORDER = [SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION,
+                    SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
+
+
+def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    if not q.is_cuda:
+        return F.scaled_dot_product_attention(q, k, v)
+    with sdpa_kernel(_CUDA_SDPA_ORDER, set_priority=True):
+        return F.scaled_dot_product_attention(q, k, v)
 
 
 class VisionAttention(nn.Module):
@@ -36,11 +48,10 @@ class VisionAttention(nn.Module):
         q, k, v = (t.view(g, length, self.num_heads, self.head_dim).transpose(1, 2)
                    for t in (q, k, v))
         if num_valid >= length:
-            out = F.scaled_dot_product_attention(q, k, v)
+            out = _sdpa(q, k, v)
         else:
-            out_valid = F.scaled_dot_product_attention(q[:, :, :num_valid], k, v)
-            out_pad = F.scaled_dot_product_attention(
-                q[:, :, num_valid:], k[:, :, :num_valid], v[:, :, :num_valid])
+            out_valid = _sdpa(q[:, :, :num_valid], k, v)
+            out_pad = _sdpa(q[:, :, num_valid:], k[:, :, :num_valid], v[:, :, :num_valid])
             out = torch.cat((out_valid, out_pad), dim=2)
         out = out.transpose(1, 2).reshape(g, length, -1)
         return self.o_proj(out)
