@@ -35,8 +35,10 @@ def write_kv_cache(
 def _gather_pages(cache: torch.Tensor, block_tables: torch.Tensor) -> torch.Tensor:
     """[B, W] page ids -> [B, num_kv_heads, W * page_size, head_dim]."""
     b, w = block_tables.shape
-    pages = cache[block_tables.long()]  # [B, W, Hkv, P, D]
-    hkv, p, d = pages.shape[2:]
+    # index_select is much faster than advanced indexing on the strided page view.
+    pages = cache.index_select(0, block_tables.reshape(-1).long())  # [B * W, Hkv, P, D]
+    hkv, p, d = pages.shape[1:]
+    pages = pages.view(b, w, hkv, p, d)
     return pages.permute(0, 2, 1, 3, 4).reshape(b, hkv, w * p, d)
 
 
@@ -54,7 +56,7 @@ def paged_decode_attention(
     values = _gather_pages(value_cache, block_tables).float()
     hkv, length = keys.shape[1], keys.shape[2]
     q = query.float().view(b, hkv, hq // hkv, d)
-    scores = torch.einsum("bhgd,bhld->bhgl", q, keys) * scale
+    scores = torch.matmul(q, keys.transpose(-1, -2)) * scale  # [B, Hkv, G, L]
     positions = torch.arange(length, device=query.device)
     valid = (positions[None, :] < seq_lens[:, None]).view(b, 1, 1, length)
     scores = scores.masked_fill(~valid, float("-inf"))
@@ -62,7 +64,7 @@ def paged_decode_attention(
     has_kv = valid.any(dim=-1, keepdim=True)
     probs = torch.softmax(torch.where(has_kv, scores, torch.zeros_like(scores)), dim=-1)
     probs = torch.where(has_kv & valid, probs, torch.zeros_like(probs))
-    out = torch.einsum("bhgl,bhld->bhgd", probs, values)
+    out = torch.matmul(probs, values)  # [B, Hkv, G, D]
     return out.reshape(b, hq, d).to(query.dtype)
 
 
