@@ -1,0 +1,109 @@
+"""The serving benchmark's pure parts: metric math, flag parsing, arrival times, dataset."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from vllm.entrypoints.cli.benchmark.serve_client import build_payload, synthetic_dataset
+from vllm.entrypoints.cli.benchmark.serve_metrics import (
+    RequestResult,
+    arrival_times,
+    calculate_metrics,
+    parse_metric_names,
+    parse_percentiles,
+    timings_from_chunks,
+)
+
+
+def test_timings_from_chunks() -> None:
+    ttft, itl, e2el = timings_from_chunks(10.0, [10.5, 10.7, 11.0], 11.1)
+    assert ttft == pytest.approx(0.5)
+    assert itl == pytest.approx([0.2, 0.3])
+    assert e2el == pytest.approx(1.1)
+    with pytest.raises(ValueError):
+        timings_from_chunks(0.0, [], 1.0)
+
+
+def test_calculate_metrics() -> None:
+    results = [
+        RequestResult(
+            success=True,
+            prompt_len=10,
+            output_tokens=5,
+            ttft=0.1,
+            itl=[0.1, 0.1, 0.1, 0.1],
+            latency=0.5,
+        ),
+        RequestResult(
+            success=True, prompt_len=20, output_tokens=3, ttft=0.3, itl=[0.2, 0.4], latency=0.9
+        ),
+        RequestResult(success=True, prompt_len=5, output_tokens=1, ttft=0.2, latency=0.2),
+        RequestResult(success=False, error="HTTP 500"),
+    ]
+    m = calculate_metrics(
+        results,
+        duration=2.0,
+        percentile_metrics=["ttft", "tpot", "itl"],
+        metric_percentiles=[50, 99.9],
+    )
+    assert m["completed"] == 3 and m["failed"] == 1
+    assert m["total_input_tokens"] == 35 and m["total_output_tokens"] == 9
+    assert m["request_throughput"] == pytest.approx(1.5)
+    assert m["output_throughput"] == pytest.approx(4.5)
+    assert m["total_token_throughput"] == pytest.approx(22.0)
+    assert m["mean_ttft_ms"] == pytest.approx(200.0)
+    assert m["median_ttft_ms"] == pytest.approx(200.0)
+    # TPOT: (0.5-0.1)/4 = 100 ms and (0.9-0.3)/2 = 300 ms; the one-token request has none.
+    assert m["mean_tpot_ms"] == pytest.approx(200.0)
+    assert m["p50_tpot_ms"] == pytest.approx(200.0)
+    # ITL pools every gap: 0.1 x4, 0.2, 0.4.
+    assert m["mean_itl_ms"] == pytest.approx(1000 * 1.0 / 6)
+    assert m["median_itl_ms"] == pytest.approx(100.0)
+    assert m["p99.9_itl_ms"] == pytest.approx(400.0, rel=1e-2)
+    assert m["mean_e2el_ms"] == pytest.approx(1000 * 1.6 / 3)
+    assert "p99.9_e2el_ms" not in m  # e2el was not asked for percentiles
+    empty = calculate_metrics([RequestResult()], duration=1.0)
+    assert empty["completed"] == 0 and empty["mean_ttft_ms"] == 0.0
+
+
+def test_parse_metric_flags() -> None:
+    assert parse_percentiles("50, 90,99.9") == [50.0, 90.0, 99.9]
+    assert parse_metric_names("ttft,e2el") == ["ttft", "e2el"]
+    for bad in ("0", "101", "x"):
+        with pytest.raises(ValueError):
+            parse_percentiles(bad)
+    with pytest.raises(ValueError, match="percentile-metrics"):
+        parse_metric_names("ttft,latency")
+
+
+def test_arrival_times_are_seeded_poisson() -> None:
+    a = arrival_times(2000, request_rate=4.0, seed=7)
+    assert a == arrival_times(2000, request_rate=4.0, seed=7)
+    assert a != arrival_times(2000, request_rate=4.0, seed=8)
+    assert a[0] == 0.0 and all(y >= x for x, y in zip(a, a[1:], strict=False))
+    gaps = [y - x for x, y in zip(a, a[1:], strict=False)]
+    mean = sum(gaps) / len(gaps)
+    assert mean == pytest.approx(0.25, rel=0.1)
+    # Exponential gaps: the standard deviation equals the mean.
+    std = math.sqrt(sum((g - mean) ** 2 for g in gaps) / len(gaps))
+    assert std == pytest.approx(mean, rel=0.15)
+    assert arrival_times(3, float("inf")) == [0.0, 0.0, 0.0]
+    with pytest.raises(ValueError, match="request-rate"):
+        arrival_times(3, 0.0)
+
+
+def test_synthetic_dataset_is_seeded_and_mixed() -> None:
+    a = synthetic_dataset(8, 12, 5, image_ratio=0.5, num_images=1, image_size=24, seed=3)
+    b = synthetic_dataset(8, 12, 5, image_ratio=0.5, num_images=1, image_size=24, seed=3)
+    assert [r.prompt for r in a] == [r.prompt for r in b]
+    assert [r.image_urls for r in a] == [r.image_urls for r in b]
+    assert sum(1 for r in a if r.image_urls) == 4
+    assert all(u.startswith("data:image/jpeg;base64,") for r in a for u in r.image_urls)
+    chat = build_payload(a[0], "/v1/chat/completions", "m", ignore_eos=True)
+    assert chat["stream_options"] == {"include_usage": True} and chat["ignore_eos"] is True
+    text_req = next(r for r in a if not r.image_urls)
+    assert build_payload(text_req, "/v1/completions", "m", True)["prompt"] == text_req.prompt
+    with pytest.raises(ValueError, match="text only"):
+        build_payload(next(r for r in a if r.image_urls), "/v1/completions", "m", True)

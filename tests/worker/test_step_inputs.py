@@ -1,0 +1,78 @@
+"""Step inputs: prefill metadata for mixed batches and the persistent decode rows."""
+
+from __future__ import annotations
+
+import torch
+
+from vllm.multimodal.cross_attention import image_runs, last_group
+from vllm.multimodal.processing import ImageInputs, ProcessedInputs
+from vllm.worker.decode_state import DecodeRows
+from vllm.worker.prefill_inputs import PrefillItem, build_prefill_batch
+
+IMG, P = 99, 5  # image token id, vision tokens per tile
+
+
+def _inputs(ids: list[int], tiles: list[int]) -> ProcessedInputs:
+    images = None
+    if tiles:
+        images = ImageInputs(torch.randn(len(tiles), 4, 3, 2, 2),
+                             torch.arange(1, len(tiles) + 1), tiles)
+    return ProcessedInputs(ids, images, image_runs(ids, IMG), last_group(ids, IMG),
+                           tokens_per_tile=P)
+
+
+def test_prefill_metadata_for_a_mixed_batch() -> None:
+    text = _inputs([1, 2, 3], [])
+    one = _inputs([IMG, 1, 2, 3], [2])  # 10 vision tokens, all cached
+    inter = _inputs([1, IMG, 2, IMG, IMG, 3], [1, 3, 2])  # 5 + 15 + 10; last group = imgs 1,2
+    items = [PrefillItem([1, 2, 3], text, "t", block_table=[7]),
+             PrefillItem([IMG, 1, 2, 3, 4, 5], one, "o", block_table=[3, 6],
+                         cross_block_table=[9, 10], write_cross=True),  # recompute: 2 extra
+             PrefillItem([1, IMG, 2, IMG, IMG, 3], inter, "i", block_table=[4, 5],
+                         cross_block_table=[11, 12, 13, 14], write_cross=True)]
+    b = build_prefill_batch(items, block_size=4, cross_block_size=8, device=torch.device("cpu"))
+    md = b.metadata
+    assert md.is_prefill and md.num_seqs == 3 and md.num_tokens == 15
+    assert md.seq_lens == [3, 6, 6] and md.query_start_loc.tolist() == [0, 3, 9, 15]
+    assert b.logits_indices.tolist() == [2, 8, 14]
+    assert b.positions.tolist() == [0, 1, 2, 0, 1, 2, 3, 4, 5, 0, 1, 2, 3, 4, 5]
+    assert md.slot_mapping.tolist()[:9] == [28, 29, 30, 12, 13, 14, 15, 24, 25]
+    assert md.slot_mapping.tolist()[9:] == [16, 17, 18, 19, 20, 21]
+    # Vision tokens: request "o" at 0..10, request "i" at 10..40.
+    assert b.num_tiles == [2, 1, 3, 2] and b.pixel_values.shape[0] == 4
+    r = md.cross_kv_ranges.tolist()
+    assert r[:3] == [[0, 0]] * 3  # text-only
+    assert r[3:9] == [[0, 10]] * 6  # including the recomputed generated tokens
+    assert r[9:] == [[0, 0], [10, 15], [10, 15], [15, 30], [15, 40], [15, 40]]
+    assert md.encoder_seq_lens == [0, 10, 25] and md.max_encoder_seq_len == 25
+    # Only the last image group of each request is cached, in its cross pages.
+    assert md.cross_cache_src.tolist() == list(range(0, 10)) + list(range(15, 40))
+    cross = md.cross_slot_mapping.tolist()
+    assert cross[:10] == [72 + i for i in range(8)] + [80, 81]
+    assert cross[10:] == [88 + i for i in range(8)] + [96 + i for i in range(8)] + [
+        104 + i for i in range(8)] + [112]
+    mask = md.cross_row_mask().squeeze(-1).tolist()
+    assert mask == [False] * 3 + [True] * 6 + [False] + [True] * 5
+
+
+def test_decode_rows_gather_and_advance() -> None:
+    rows = DecodeRows(max_rows=4, max_pages=3, max_cross_pages=2, block_size=4,
+                      device=torch.device("cpu"))
+    a, b = rows.acquire(), rows.acquire()
+    rows.load(a, [5, 6], [], 0, position=6)  # next token at position 6: page 6, offset 2
+    rows.load(b, [9], [3, 4], 12, position=3)
+    rows.set_tokens(torch.tensor([a, b]), torch.tensor([42, 43]))
+    idx = torch.tensor([a, b, rows.null_row])
+    x = rows.gather(idx, width=3, cross_width=2)
+    assert x.input_ids.tolist() == [42, 43, 0]
+    assert x.positions.tolist() == [6, 3, -1] and x.seq_lens.tolist() == [7, 4, 0]
+    assert x.slot_mapping.tolist() == [26, 39, -1]
+    assert x.encoder_seq_lens.tolist() == [0, 12, 0]
+    assert x.cross_block_tables.tolist() == [[0, 0], [3, 4], [0, 0]]
+    rows.advance(torch.tensor([a, b]), torch.tensor([7, 8]))
+    rows.set_pages([(b, 1, 11)])
+    x = rows.gather(idx, width=3, cross_width=2)
+    assert x.input_ids.tolist()[:2] == [7, 8] and x.positions.tolist()[:2] == [7, 4]
+    assert x.slot_mapping.tolist()[:2] == [27, 44]
+    rows.release(a)
+    assert rows.gather(torch.tensor([a]), 3, 2).seq_lens.tolist() == [0]
