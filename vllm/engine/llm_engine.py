@@ -73,6 +73,7 @@ class LLMEngine:
         self.log_stats = log_stats
         self._last_log = time.monotonic()
         self._tokens_since_log = [0, 0]
+        self._host_at_log = (0.0, 0)
         logger.info("Engine ready in %.1f s (model load %.1f s): %d KV pages of %d tokens, "
                     "max_model_len %d, max_num_seqs %d", time.perf_counter() - t0, t_load,
                     num_pages - 1, lo.block_size, config.model_config.max_model_len,
@@ -161,14 +162,20 @@ class LLMEngine:
         if not self.log_stats or now - self._last_log < 5.0:
             return
         dt = now - self._last_log
+        stats = self.runner.stats
+        host_s, steps = stats.host_time_s - self._host_at_log[0], stats.steps - self._host_at_log[1]
         logger.info(
             "Avg prompt throughput: %.1f tokens/s, Avg generation throughput: %.1f tokens/s, "
-            "Running: %d reqs, Waiting: %d reqs, KV cache usage: %.1f%%, preemptions: %d",
+            "Running: %d reqs, Waiting: %d reqs, KV cache usage: %.1f%%, preemptions: %d, "
+            "host %.3f ms/step, graph replays %d, eager decode steps %d",
             self._tokens_since_log[0] / dt, self._tokens_since_log[1] / dt,
             len(self.scheduler.running), len(self.scheduler.waiting),
-            100 * self.block_manager.pool.usage(), self.scheduler.num_preemptions)
+            100 * self.block_manager.pool.usage(), self.scheduler.num_preemptions,
+            1e3 * host_s / max(steps, 1), sum(stats.graph_replays.values()),
+            stats.eager_decode_steps)
         self._last_log = now
         self._tokens_since_log = [0, 0]
+        self._host_at_log = (stats.host_time_s, stats.steps)
 
     # ------------------------------------------------------------------ introspection
     def get_tokenizer(self) -> Any:
