@@ -78,7 +78,6 @@ def gemv_floor(model, batch: int, with_cross: bool, iters: int = 20) -> dict:
     torch.cuda.synchronize()
     ms = start.elapsed_time(end) / iters
     nbytes = sum(w.numel() * w.element_size() for w in mats)
-    del graph, outs, xs
     return {"ms": ms, "bytes": nbytes, "tb_per_s": nbytes / (ms / 1e3) / 1e12}
 
 

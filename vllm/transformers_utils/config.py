@@ -134,7 +134,8 @@ def _parse_rope(text: dict[str, Any]) -> RopeSpec:
         params.setdefault("rope_theta", text.get("rope_theta", 500000.0))
     rope_type = params.get("rope_type", params.get("type", "default"))
     if rope_type not in ("default", "llama3"):
-        raise ConfigError(f"config.json: rope type {rope_type!r} is not supported (llama3, default)")
+        raise ConfigError(
+            f"config.json: rope type {rope_type!r} is not supported (llama3, default)")
     return RopeSpec(
         rope_type=rope_type,
         theta=float(params.get("rope_theta", 500000.0)),

@@ -90,7 +90,8 @@ def initialize_dummy_weights(model: nn.Module, seed: int = 0) -> None:
             p.copy_(values)
             continue
         # Large matrices: draw on the device in one call (fast for the 11B shape).
-        dev_gen = torch.Generator(device=p.device).manual_seed(seed * 1_000_003 + zlib.crc32(name.encode()))
+        dev_seed = seed * 1_000_003 + zlib.crc32(name.encode())
+        dev_gen = torch.Generator(device=p.device).manual_seed(dev_seed)
         p.normal_(0.0, _dummy_std(name, p), generator=dev_gen)
 
 

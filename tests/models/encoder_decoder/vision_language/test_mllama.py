@@ -11,7 +11,7 @@ On CPU the comparison runs in float32, on CUDA in bfloat16.
 
 from __future__ import annotations
 
-from functools import lru_cache
+from functools import cache
 
 import numpy as np
 import pytest
@@ -35,7 +35,7 @@ TEXT_PROMPT = "The color of the sky is blue but sometimes it can also be"
 RATIOS = [(1, 1), (1, 2), (1, 3), (1, 4), (2, 1), (2, 2), (3, 1), (4, 1)]
 
 
-@lru_cache(maxsize=None)
+@cache
 def image(w: int, h: int, seed: int = 0) -> Image.Image:
     rng = np.random.default_rng(seed * 7919 + w * 31 + h)
     return Image.fromarray(rng.integers(0, 256, (h, w, 3), dtype=np.uint8))
