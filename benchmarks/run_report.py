@@ -23,14 +23,14 @@ import torch
 from PIL import Image
 
 sys.path.insert(0, str(Path(__file__).parent))
-from report_anchors import (  # noqa: E402
+from report_anchors import (
     copy_bandwidth,
     gemv_floor,
     hf_generate_times,
     hf_model_from,
 )
 
-from vllm import LLM, SamplingParams  # noqa: E402
+from vllm import LLM, SamplingParams
 
 PROMPT_LEN = 512
 

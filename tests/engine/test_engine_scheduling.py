@@ -142,3 +142,43 @@ def test_seeded_sampling_independent_of_batch(roomy: LLM) -> None:
     alone = roomy.generate(prompts[1], seeded, use_tqdm=False)[0].outputs[0].token_ids
     mixed = roomy.generate(prompts, [other, seeded, other, other], use_tqdm=False)
     assert mixed[1].outputs[0].token_ids == alone
+
+
+def test_async_scheduling_matches_sync(roomy: LLM) -> None:
+    """Launching step N+1 before reading step N changes nothing users see: EOS and stop
+    strings discovered a step late discard the extra token; pages and rows all come back."""
+    sync = _llm(async_scheduling=False)
+    prompts = _prompts(7)
+    params = [SamplingParams(temperature=0, max_tokens=30),  # stops at EOS when it comes
+              SamplingParams(temperature=0, max_tokens=5, ignore_eos=True),
+              SamplingParams(temperature=0.8, seed=5, n=2, max_tokens=12),
+              SamplingParams(temperature=0, max_tokens=30, stop=["a", "e", "o"]),
+              SamplingParams(temperature=0, max_tokens=1),
+              SamplingParams(temperature=0, max_tokens=20, min_tokens=10),
+              SamplingParams(temperature=0, max_tokens=25, logprobs=2)]
+    a = roomy.generate(prompts, params, use_tqdm=False)
+    b = sync.generate(prompts, params, use_tqdm=False)
+    for x, y in zip(a, b, strict=True):
+        assert [(c.token_ids, c.text, c.finish_reason, c.stop_reason) for c in x.outputs] == \
+            [(c.token_ids, c.text, c.finish_reason, c.stop_reason) for c in y.outputs]
+    assert roomy.llm_engine.async_scheduling and not sync.llm_engine.async_scheduling
+    for llm in (roomy, sync):
+        llm.llm_engine.check_integrity()
+        assert llm.llm_engine.block_manager.pool.usage() == 0.0
+        rows = llm.llm_engine.runner.rows
+        assert len(rows.free_rows) == rows.max_rows
+
+
+def test_abort_while_a_step_is_in_flight(roomy: LLM) -> None:
+    engine = roomy.llm_engine
+    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    for i, p in enumerate(_prompts(3)):
+        engine.add_request(f"f{i}", p, params)
+    for _ in range(4):
+        engine.step()
+    assert engine._pending is not None
+    engine.abort_request(["f0", "f1", "f2"])
+    while engine.has_unfinished_requests():
+        engine.step()
+    engine.check_integrity()
+    assert engine.block_manager.pool.usage() == 0.0

@@ -106,8 +106,9 @@ class BlockManager:
             s.block_table = self.pool.allocate(self.pages_for_tokens(len(s)))
 
     def needs_new_page(self, seq: Sequence) -> bool:
-        """Whether writing the next token (at position len(seq) - 1) needs a fresh page."""
-        return self.pages_for_tokens(len(seq)) > len(seq.block_table)
+        """Whether the next decode step's token needs a fresh page. That token sits at
+        position len(seq) - 1, plus the tokens still in flight (async scheduling)."""
+        return self.pages_for_tokens(len(seq) + seq.inflight) > len(seq.block_table)
 
     def append_page(self, seq: Sequence) -> int:
         page = self.pool.allocate(1)[0]

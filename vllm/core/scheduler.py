@@ -95,11 +95,37 @@ class Scheduler:
         return sum(len(r.unfinished_seqs()) for r in self.running)
 
     # ----------------------------------------------------------------- scheduling
-    def schedule(self) -> SchedulerOutput | None:
+    def schedule(self, lookahead: bool = False) -> SchedulerOutput | None:
+        """The next step. With ``lookahead`` (a step is still in flight, its results unread)
+        only a decode step that needs no admission decision and no preemption is scheduled;
+        None tells the caller to collect the in-flight step first."""
+        if lookahead:
+            return self._schedule_lookahead()
         out = self._schedule_prefill()
         if out is not None:
             return out
         return self._schedule_decode() if self.running else None
+
+    def _will_finish_by_length(self, s: Sequence) -> bool:
+        """Known on the host: the in-flight token completes the sequence."""
+        max_tokens = s.request.params.max_tokens
+        return ((max_tokens is not None and s.num_output_tokens + s.inflight >= max_tokens)
+                or len(s) + s.inflight >= self.config.max_model_len)
+
+    def _decode_candidates(self) -> list[Sequence]:
+        return [s for r in self.running for s in r.unfinished_seqs()
+                if not self._will_finish_by_length(s)]
+
+    def _schedule_lookahead(self) -> SchedulerOutput | None:
+        if self.waiting:
+            return None
+        seqs = self._decode_candidates()
+        need = sum(1 for s in seqs if self.bm.needs_new_page(s))
+        if not seqs or need > self.bm.pool.num_free:
+            return None
+        out = SchedulerOutput(is_prefill=False, decode_seqs=seqs)
+        out.new_pages = [(s, self.bm.append_page(s)) for s in seqs if self.bm.needs_new_page(s)]
+        return out
 
     def _seqs_after_prefill(self, request: Request) -> int:
         return len(request.unfinished_seqs()) + (
@@ -151,7 +177,7 @@ class Scheduler:
     def _schedule_decode(self) -> SchedulerOutput:
         out = SchedulerOutput(is_prefill=False)
         while True:
-            seqs = [s for r in self.running for s in r.unfinished_seqs()]
+            seqs = self._decode_candidates()
             need = sum(1 for s in seqs if self.bm.needs_new_page(s))
             if need <= self.bm.pool.num_free or len(self.running) <= 1:
                 break

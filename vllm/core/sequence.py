@@ -52,6 +52,7 @@ class Sequence:
     detokenizer: Any = None
     generator: Any = None
     num_computed_tokens: int = 0  # tokens whose K/V are in the cache
+    inflight: int = 0  # tokens sampled on the device whose results the host has not read yet
 
     @property
     def prompt_len(self) -> int:

@@ -88,6 +88,7 @@ class EngineArgs:
     max_logprobs: int = 20
     kv_cache_dtype: str = "auto"
     disable_log_stats: bool = False
+    async_scheduling: bool = True
     # Accepted for compatibility; they do not change anything here.
     swap_space: float = 4
     max_seq_len_to_capture: int = 8192

@@ -24,7 +24,7 @@ from vllm.outputs import RequestOutput
 from vllm.sampling_params import SamplingParams
 from vllm.transformers_utils.tokenizer import get_image_processor, get_tokenizer
 from vllm.worker.memory import determine_num_pages, fit_config_to_pages
-from vllm.worker.model_runner import ModelRunner
+from vllm.worker.model_runner import ModelRunner, StepHandle
 
 logger = init_logger(__name__)
 
@@ -46,7 +46,8 @@ def load_generation_config(config: VllmConfig) -> dict[str, Any]:
 class LLMEngine:
     """Owns the tokenizer, input processor, scheduler and model runner."""
 
-    def __init__(self, config: VllmConfig, log_stats: bool = True) -> None:
+    def __init__(self, config: VllmConfig, log_stats: bool = True,
+                 async_scheduling: bool = True) -> None:
         t0 = time.perf_counter()
         mc = config.model_config
         self.tokenizer = get_tokenizer(mc.tokenizer_path)
@@ -71,6 +72,9 @@ class LLMEngine:
         self.eos_token_ids = sorted(eos)
         self.output_processor = OutputProcessor(self.tokenizer, config, self.runner.device)
         self.log_stats = log_stats
+        # Launch step N+1 before reading step N's results, so host work overlaps the GPU.
+        self.async_scheduling = async_scheduling
+        self._pending: StepHandle | None = None
         self._last_log = time.monotonic()
         self._tokens_since_log = [0, 0]
         self._host_at_log = (0.0, 0)
@@ -81,7 +85,8 @@ class LLMEngine:
 
     @classmethod
     def from_engine_args(cls, args: EngineArgs) -> LLMEngine:
-        return cls(args.create_engine_config(), log_stats=not args.disable_log_stats)
+        return cls(args.create_engine_config(), log_stats=not args.disable_log_stats,
+                   async_scheduling=args.async_scheduling)
 
     # ------------------------------------------------------------------ requests
     def default_sampling_params(self) -> SamplingParams:
@@ -99,7 +104,7 @@ class LLMEngine:
         params = params.clone() if params is not None else self.default_sampling_params()
         params.update_from_generation_config(
             {"eos_token_id": self.generation_config.get("eos_token_id")}, self.eos_token_ids)
-        self._check_params(params)
+        self.check_params(params)
         inputs = processed if processed is not None else self.process_inputs(prompt)
         request = Request(request_id, inputs, params)
         if arrival_time is not None:
@@ -107,7 +112,8 @@ class LLMEngine:
         self.scheduler.add_request(request)
         self.output_processor.add_request(request)
 
-    def _check_params(self, params: SamplingParams) -> None:
+    def check_params(self, params: SamplingParams) -> None:
+        """Engine-level limits on sampling parameters (raises ValueError)."""
         cap = self.config.model_config.max_logprobs
         for name in ("logprobs", "prompt_logprobs"):
             value = getattr(params, name)
@@ -127,27 +133,57 @@ class LLMEngine:
                 for s in req.seqs:
                     self.runner.release(s)
                 self.output_processor.forget(req)
+        if self._pending is not None and not self.scheduler.has_unfinished():
+            self._collect(self._take_pending())  # only aborted sequences were in flight
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_unfinished()
+        return self.scheduler.has_unfinished() or self._pending is not None
 
     def get_num_unfinished_requests(self) -> int:
         return len(self.scheduler.requests)
 
     # ------------------------------------------------------------------ steps
     def step(self) -> list[RequestOutput]:
-        out = self.scheduler.schedule()
+        """Schedules and launches one step; returns the outputs that became available.
+
+        With async scheduling a decode step is launched while the previous step's results are
+        still in flight (when no admission or preemption decision needs them), and the
+        previous step is processed while the new one runs; outputs lag one step.
+        """
+        outputs: list[RequestOutput] = []
+        out = None
+        if self._pending is not None:
+            out = self.scheduler.schedule(lookahead=True)
+            if out is None:
+                outputs += self._collect(self._take_pending())
         if out is None:
-            return []
+            out = self.scheduler.schedule()
+            if out is None:
+                return outputs
         self._release_preempted(out)
         now = time.time()
         for s in out.prefill_seqs:
             if s.request.first_scheduled_time is None:
                 s.request.first_scheduled_time = now
-        result = self.runner.execute(out)
-        outputs = self.output_processor.process(result, self.scheduler, self.runner)
-        self._maybe_log(out, result)
+        handle = self.runner.launch(out)
+        for s in handle.result.seqs:
+            s.inflight += 1
+        previous, self._pending = self._pending, handle
+        if previous is not None:
+            outputs += self._collect(previous)
+        if not self.async_scheduling:
+            outputs += self._collect(self._take_pending())
+        self._maybe_log(out, handle.result)
         return outputs
+
+    def _take_pending(self) -> StepHandle:
+        handle, self._pending = self._pending, None
+        assert handle is not None
+        return handle
+
+    def _collect(self, handle: StepHandle) -> list[RequestOutput]:
+        result = self.runner.collect(handle)
+        return self.output_processor.process(result, self.scheduler, self.runner)
 
     def _release_preempted(self, out: SchedulerOutput) -> None:
         for req in out.preempted:

@@ -53,9 +53,10 @@ class OutputProcessor:
                 req.prompt_logprobs = self._prompt_logprobs(req, vals, ids, ranks)
         for i, seq in enumerate(result.seqs):
             req = seq.request
-            touched[req.request_id] = req
+            seq.inflight -= 1
             if seq.status.finished:
-                continue
+                continue  # finished while this step was in flight: the token is discarded
+            touched[req.request_id] = req
             seq.token_ids.append(result.token_ids[i])
             if req.first_token_time is None:
                 req.first_token_time = now

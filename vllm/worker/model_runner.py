@@ -48,6 +48,16 @@ class RunnerStats:
 
 
 @dataclass
+class StepHandle:
+    """A launched step: device results being copied to pinned host memory."""
+
+    result: StepOutput
+    sampled: torch.Tensor  # host (pinned on CUDA) once the event has fired
+    logprobs: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None
+    event: torch.cuda.Event | None
+
+
+@dataclass
 class StepOutput:
     """Host results of one step: one entry per sampling sequence, in order."""
 
@@ -112,16 +122,22 @@ class ModelRunner:
             self.graphs.capture()
 
     # ------------------------------------------------------------------ steps
-    @torch.inference_mode()
     def execute(self, out: SchedulerOutput) -> StepOutput:
+        """Runs a step to completion (launch, then wait for its results)."""
+        return self.collect(self.launch(out))
+
+    @torch.inference_mode()
+    def launch(self, out: SchedulerOutput) -> StepHandle:
+        """Enqueues a step's device work; results reach the host asynchronously."""
         start = time.perf_counter()
         if out.is_prefill:
             result, sampler_out = self._prefill(out)
         else:
             result, sampler_out = self._decode(out)
+        handle = self._start_copy(result, sampler_out)
         self.stats.host_time_s += time.perf_counter() - start
         self.stats.steps += 1
-        return self._to_host(result, sampler_out)
+        return handle
 
     def release(self, seq: Sequence) -> None:
         if seq.row >= 0:
@@ -232,12 +248,34 @@ class ModelRunner:
         return self.model.compute_logits(hidden)
 
     # ------------------------------------------------------------------ results
-    def _to_host(self, result: StepOutput, out: SamplerOutput) -> StepOutput:
+    def _start_copy(self, result: StepOutput, out: SamplerOutput) -> StepHandle:
         n = len(result.seqs)
-        result.token_ids = out.sampled_token_ids[:n].cpu().tolist()
+        pin = self.device.type == "cuda"
+
+        def to_host(t: torch.Tensor) -> torch.Tensor:
+            buf = torch.empty(t[:n].shape, dtype=t.dtype, pin_memory=pin)
+            return buf.copy_(t[:n], non_blocking=True)
+
+        sampled = to_host(out.sampled_token_ids)
+        logprobs = None
         if out.logprobs is not None:
             assert out.logprob_token_ids is not None and out.sampled_ranks is not None
-            result.logprobs = out.logprobs[:n].cpu().tolist()
-            result.logprob_ids = out.logprob_token_ids[:n].cpu().tolist()
-            result.ranks = out.sampled_ranks[:n].cpu().tolist()
+            logprobs = (to_host(out.logprobs), to_host(out.logprob_token_ids),
+                        to_host(out.sampled_ranks))
+        event = None
+        if pin:
+            event = torch.cuda.Event()
+            event.record()
+        return StepHandle(result, sampled, logprobs, event)
+
+    def collect(self, handle: StepHandle) -> StepOutput:
+        """Waits for a launched step and returns its host results."""
+        if handle.event is not None:
+            handle.event.synchronize()
+        result = handle.result
+        result.token_ids = handle.sampled.tolist()
+        if handle.logprobs is not None:
+            vals, ids, ranks = handle.logprobs
+            result.logprobs, result.logprob_ids = vals.tolist(), ids.tolist()
+            result.ranks = ranks.tolist()
         return result

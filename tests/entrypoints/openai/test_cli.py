@@ -1,0 +1,195 @@
+"""The command line: ``vllm serve`` / ``python -m vllm.entrypoints.openai.api_server`` in
+subprocesses (help, bad flags, unsupported values, a busy port, a real start), and the flag
+parser in-process."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import httpx
+import pytest
+
+from vllm.engine.arg_utils import EngineArgs
+from vllm.engine.cli_args import FlexibleArgumentParser
+from vllm.entrypoints.cli.main import make_parser
+from vllm.entrypoints.openai.api_server import run_server
+from vllm.entrypoints.openai.cli_args import make_arg_parser, validate_parsed_serve_args
+
+VLLM = [sys.executable, "-m", "vllm.entrypoints.cli.main"]
+API_SERVER = [sys.executable, "-m", "vllm.entrypoints.openai.api_server"]
+ENV = {**os.environ, "HF_HUB_OFFLINE": "1", "VLLM_API_KEY": ""}
+
+
+def _run(cmd: list[str], timeout: float = 90) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=ENV)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_help_and_bad_flag_exit_codes() -> None:
+    r = _run([*VLLM, "serve", "--help"])
+    assert r.returncode == 0
+    for flag in (
+        "--max-model-len",
+        "--limit-mm-per-prompt",
+        "--served-model-name",
+        "--api-key",
+        "--chat-template",
+        "--enable-log-requests",
+        "--cuda-graph-sizes",
+    ):
+        assert flag in r.stdout
+    r = _run([*API_SERVER, "--model", "demo/mllama-tiny", "--no-such-flag"])
+    assert r.returncode == 2 and "unrecognized arguments: --no-such-flag" in r.stderr
+
+
+def _serve_args(*extra: str) -> argparse.Namespace:
+    return make_parser().parse_args(["serve", "demo/mllama-tiny", *extra])
+
+
+def test_bad_choice_is_an_argparse_error(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exc:
+        _serve_args("--dtype", "int3")
+    assert exc.value.code == 2 and "invalid choice" in capsys.readouterr().err
+
+
+def test_unsupported_quantization_is_a_clean_error() -> None:
+    """EngineArgs' ValueError becomes SystemExit(message): printed, no traceback, exit 1."""
+    with pytest.raises(SystemExit) as exc:
+        run_server(_serve_args("--host", "127.0.0.1", "--port", "0", "--quantization", "fp8"))
+    assert isinstance(exc.value.code, str)
+    assert "quantization='fp8' is not supported yet" in exc.value.code
+
+
+def test_port_in_use() -> None:
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen(1)
+        port = busy.getsockname()[1]
+        with pytest.raises(SystemExit) as exc:
+            run_server(_serve_args("--host", "127.0.0.1", "--port", str(port)))
+    assert isinstance(exc.value.code, str) and "already in use" in exc.value.code
+
+
+def test_vllm_serve_starts_and_stops() -> None:
+    port = _free_port()
+    cmd = [
+        *VLLM,
+        "serve",
+        "demo/mllama-tiny",
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--max_model_len",
+        "256",
+        "--max-num-seqs",
+        "4",
+        "--served-model-name",
+        "tiny",
+        "alias",
+        "--uvicorn-log-level",
+        "warning",
+        "--limit-mm-per-prompt",
+        "image=2",
+    ]
+    proc = subprocess.Popen(
+        cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=ENV
+    )
+    try:
+        deadline = time.monotonic() + 90
+        while True:
+            assert proc.poll() is None, proc.stdout.read() if proc.stdout else ""
+            try:
+                if httpx.get(f"http://127.0.0.1:{port}/health", timeout=1).status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            assert time.monotonic() < deadline, "server did not come up"
+            time.sleep(0.2)
+        models = httpx.get(f"http://127.0.0.1:{port}/v1/models").json()
+        assert [m["id"] for m in models["data"]] == ["tiny", "alias"]
+        assert models["data"][0]["max_model_len"] == 256
+        r = httpx.post(
+            f"http://127.0.0.1:{port}/v1/chat/completions",
+            timeout=30,
+            json={
+                "model": "alias",
+                "messages": [{"role": "user", "content": "hi"}],
+                "max_tokens": 2,
+            },
+        )
+        assert r.status_code == 200 and r.json()["model"] == "alias"
+    finally:
+        proc.send_signal(signal.SIGINT)
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+    assert proc.returncode == 0
+
+
+def test_every_engine_field_has_a_flag() -> None:
+    parser = make_arg_parser(FlexibleArgumentParser(), positional_model=True)
+    dests = {a.dest for a in parser._actions}
+    assert {f.name for f in dataclasses.fields(EngineArgs)} <= dests
+
+
+def test_flag_spellings_and_values() -> None:
+    parser = make_parser()
+    args = parser.parse_args(
+        [
+            "serve",
+            "demo/mllama-tiny",
+            "--max_model_len",
+            "512",
+            "--max-num-seqs=8",
+            "--cuda-graph-sizes",
+            "1,2",
+            "4",
+            "--limit-mm-per-prompt",
+            '{"image": 2}',
+            "--enforce_eager",
+            "--served-model-name",
+            "a",
+            "b",
+            "--load-format",
+            "dummy",
+            "--trust-remote-code",
+            "--disable-log-requests",
+            "--allowed-origins",
+            '["http://x"]',
+        ]
+    )
+    validate_parsed_serve_args(args)
+    assert args.model == "demo/mllama-tiny" and args.port == 8000
+    ea = EngineArgs.from_cli_args(args)
+    assert ea.max_model_len == 512 and ea.max_num_seqs == 8 and ea.enforce_eager
+    assert ea.cuda_graph_sizes == [1, 2, 4] and ea.limit_mm_per_prompt == {"image": 2}
+    assert ea.served_model_name == ["a", "b"] and ea.load_format == "dummy"
+    assert ea.seed == EngineArgs.seed  # unset flags keep EngineArgs' defaults
+    assert args.allowed_origins == ["http://x"]
+    legacy = make_parser().parse_args(["serve", "--model", "m", "--limit-mm-per-prompt", "image=3"])
+    validate_parsed_serve_args(legacy)
+    assert legacy.model == "m" and legacy.limit_mm_per_prompt == {"image": 3}
+    with pytest.raises(SystemExit):
+        make_parser().parse_args(["serve", "--limit-mm-per-prompt", "video=1"])
+
+
+def test_api_key_from_env(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("VLLM_API_KEY", "from-env")
+    args = make_parser().parse_args(["serve", "m"])
+    validate_parsed_serve_args(args)
+    assert args.api_key == "from-env"

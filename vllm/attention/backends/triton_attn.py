@@ -1,0 +1,115 @@
+"""The CUDA attention back-end: Triton kernels for the KV write, prefill and paged decode.
+
+Decode methods are captured in CUDA graphs: they read only device tensors and the static
+configuration (never ``max_seq_len`` / ``max_encoder_seq_len``), branch on no tensor data, and
+allocate only buffers whose shapes follow from the batch size and the model's head shape.
+Prefill runs eagerly and may use host lengths to size its grid.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from vllm.attention.metadata import AttentionMetadata
+from vllm.attention.ops.triton_decode import DecodeConfig, paged_decode_attention
+from vllm.attention.ops.triton_kv_write import write_kv_cache
+from vllm.attention.ops.triton_prefill import ranged_cross_attention, varlen_causal_attention
+
+
+class TritonBackend:
+    """Triton implementations of every attention operation (same semantics as TORCH_REF).
+
+    Differences from the reference that no caller can observe: padding slots (-1) write
+    nothing at all (the reference writes them into the null page, which nobody reads), and
+    rows past a sequence's length are never read (the reference reads whole pages).
+    """
+
+    name = "TRITON"
+
+    def __init__(self, decode_config: DecodeConfig | None = None) -> None:
+        # None: the per-dtype default (``default_decode_config``); static for the process,
+        # so every captured graph and every eager step split the KV the same way.
+        self.decode_config = decode_config
+
+    def write_kv(
+        self,
+        key: torch.Tensor,  # [N, Hkv, D]
+        value: torch.Tensor,
+        key_cache: torch.Tensor,  # [num_pages, Hkv, page_size, D]
+        value_cache: torch.Tensor,
+        slot_mapping: torch.Tensor,  # [N] int64, -1 = padding
+    ) -> None:
+        write_kv_cache(key, value, key_cache, value_cache, slot_mapping)
+
+    def prefill_self(
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        md: AttentionMetadata,
+        scale: float,
+    ) -> torch.Tensor:
+        # query: [T, Hq, D], key/value: [T, Hkv, D] -> [T, Hq, D]
+        assert md.seq_lens is not None
+        query_start_loc = md.query_start_loc
+        if query_start_loc is None:
+            starts = [0]
+            for n in md.seq_lens:
+                starts.append(starts[-1] + n)
+            query_start_loc = torch.tensor(starts, dtype=torch.int32).to(query.device)
+        return varlen_causal_attention(
+            query, key, value, query_start_loc, max(md.seq_lens, default=0), scale
+        )
+
+    def decode_self(
+        self,
+        query: torch.Tensor,
+        key_cache: torch.Tensor,
+        value_cache: torch.Tensor,
+        md: AttentionMetadata,
+        scale: float,
+    ) -> torch.Tensor:
+        # query: [B, Hq, D] -> [B, Hq, D]
+        return paged_decode_attention(
+            query,
+            key_cache,
+            value_cache,
+            md.block_tables,
+            md.seq_lens_tensor,
+            scale,
+            config=self.decode_config,
+        )
+
+    def prefill_cross(
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        md: AttentionMetadata,
+        scale: float,
+    ) -> torch.Tensor:
+        # query: [T, Hq, D], key/value: [S, Hkv, D] packed vision tokens -> [T, Hq, D]
+        assert md.cross_kv_ranges is not None
+        if key.shape[0] == 0:  # host shape: no vision token in the step
+            return torch.zeros_like(query)
+        return ranged_cross_attention(query, key, value, md.cross_kv_ranges, scale)
+
+    def decode_cross(
+        self,
+        query: torch.Tensor,
+        key_cache: torch.Tensor,
+        value_cache: torch.Tensor,
+        md: AttentionMetadata,
+        scale: float,
+    ) -> torch.Tensor:
+        # query: [B, Hq, D] -> [B, Hq, D]; rows with encoder length 0 give zeros
+        assert md.cross_block_tables is not None and md.encoder_seq_lens_tensor is not None
+        return paged_decode_attention(
+            query,
+            key_cache,
+            value_cache,
+            md.cross_block_tables,
+            md.encoder_seq_lens_tensor,
+            scale,
+            config=self.decode_config,
+        )

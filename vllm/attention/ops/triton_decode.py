@@ -1,0 +1,360 @@
+"""Paged decode attention in Triton: split-K over a fixed number of KV segments, then a combine.
+
+One query token per sequence reads its K/V through a page table (self-attention: the
+sequence's pages and ``seq_lens``; cross-attention: the encoder pages and ``encoder_seq_lens``).
+
+Why this shape (see DESIGN.md, "CUDA graphs: the contract"):
+
+* The launch depends only on static configuration and the batch size: the grid is
+  ``(num_segments, num_kv_heads, batch)`` for the segment kernel and ``(batch, num_heads)`` for
+  the combine, so one captured graph serves every mix of lengths. Each segment computes its own
+  share of its sequence on the device (``_segment_chunk``), so a batch of one with a long KV
+  still spreads over ``num_segments * num_kv_heads`` programs and fills the GPU.
+* A sequence's result depends only on its own length, its K/V and the static configuration:
+  not on batch-mates, the page-table width or any host maximum. The combine reduces the
+  segments of one (sequence, head) in one fixed order. Same inputs, same bits.
+* One program handles all query heads of one KV head (GQA), so K/V are read once. The group is
+  padded to 16 rows for ``tl.dot``; the extra rows are zeros and never stored.
+* Nothing past a sequence's length is read: neither the page table nor the cache rows (the
+  null page and the tails of last pages may hold garbage, NaN included). A zero-length KV has
+  no active segment and yields exact zeros.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+LOG2E = 1.4426950408889634
+
+
+@dataclass(frozen=True)
+class DecodeConfig:
+    """Static tuning of the decode kernels (sweep these on the target GPU).
+
+    ``num_segments`` is the fixed split count per (sequence, KV head); ``min_chunk`` the
+    smallest share of a segment (a multiple of ``block_n``), so short sequences use fewer
+    segments and write fewer partial results.
+    """
+
+    num_segments: int = 64
+    block_n: int = 64
+    min_chunk: int = 128
+    num_warps: int = 4
+    num_stages: int = 2
+    combine_num_warps: int = 4
+
+    def __post_init__(self) -> None:
+        if self.num_segments < 1 or self.num_segments & (self.num_segments - 1):
+            raise ValueError(f"num_segments must be a power of two, got {self.num_segments}")
+        if self.block_n < 16 or self.block_n & (self.block_n - 1):
+            raise ValueError(f"block_n must be a power of two >= 16, got {self.block_n}")
+        if self.min_chunk < self.block_n or self.min_chunk % self.block_n:
+            raise ValueError(
+                f"min_chunk ({self.min_chunk}) must be a positive multiple of "
+                f"block_n ({self.block_n})"
+            )
+
+
+DEFAULT_DECODE_CONFIG = DecodeConfig()
+# fp32 caches (tests, CPU parity): IEEE products need twice the warps to stay out of spills.
+FP32_DECODE_CONFIG = DecodeConfig(num_warps=8)
+
+
+def default_decode_config(dtype: torch.dtype) -> DecodeConfig:
+    """The split and launch used when none is given (a function of the cache dtype only)."""
+    return FP32_DECODE_CONFIG if dtype == torch.float32 else DEFAULT_DECODE_CONFIG
+
+
+def dot_precision(dtype: torch.dtype) -> str:
+    """fp32 inputs need IEEE products (the default would round them to tf32 on the GPU)."""
+    return "ieee" if dtype == torch.float32 else "tf32"
+
+
+@triton.jit
+def _segment_chunk(
+    length, NUM_SEGMENTS: tl.constexpr, BLOCK_N: tl.constexpr, MIN_CHUNK: tl.constexpr
+):
+    """Tokens per segment for a KV of ``length``: a function of the length alone."""
+    per = tl.cdiv(length, NUM_SEGMENTS)
+    per = tl.cdiv(per, BLOCK_N) * BLOCK_N
+    return tl.maximum(per, MIN_CHUNK)
+
+
+@triton.jit
+def online_softmax_update(s, v, m_i, l_i, acc, DOT_PRECISION: tl.constexpr):
+    """One tile of the online softmax (log2 domain).
+
+    s: [M, N] fp32 scores already scaled by ``scale * log2(e)``, -inf where masked;
+    v: [N, D]; m_i, l_i: [M] running max and sum; acc: [M, D] fp32 unnormalised output.
+    A row whose scores are all -inf so far keeps m = -inf, l = 0, acc = 0 (never NaN).
+    """
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    # Subtract 0 instead of -inf for rows with nothing visible yet: exp2(-inf) = 0, not NaN.
+    m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+    alpha = tl.exp2(m_i - m_use)
+    p = tl.exp2(s - m_use[:, None])
+    l_i = l_i * alpha + tl.sum(p, 1)
+    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+    return m_new, l_i, acc
+
+
+@triton.jit
+def _decode_segment_kernel(
+    q_ptr,
+    k_cache_ptr,
+    v_cache_ptr,
+    block_tables_ptr,
+    seq_lens_ptr,
+    ws_ptr,
+    scale_log2,
+    stride_qb,
+    stride_qh,
+    stride_kp,
+    stride_kh,
+    stride_kt,
+    stride_vp,
+    stride_vh,
+    stride_vt,
+    stride_bt,
+    NUM_HEADS: tl.constexpr,
+    GROUP: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    PAGE_SIZE: tl.constexpr,
+    WS_ROW: tl.constexpr,
+    BLOCK_G: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    NUM_SEGMENTS: tl.constexpr,
+    MIN_CHUNK: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    """Grid (NUM_SEGMENTS, num_kv_heads, batch): one segment of one (sequence, KV head).
+
+    Writes the segment's unnormalised output and its (max, sum) for every query head of the
+    group into the workspace row ``[b, head, seg]``; inactive segments write nothing.
+    """
+    seg = tl.program_id(0)
+    kvh = tl.program_id(1)
+    b = tl.program_id(2)
+    length = tl.load(seq_lens_ptr + b)
+    chunk = _segment_chunk(length, NUM_SEGMENTS, BLOCK_N, MIN_CHUNK)
+    start = seg * chunk
+    if start < length:
+        end = tl.minimum(start + chunk, length)
+        offs_g = tl.arange(0, BLOCK_G)
+        offs_n = tl.arange(0, BLOCK_N)
+        offs_d = tl.arange(0, BLOCK_D)
+        g_mask = offs_g < GROUP
+        d_mask = offs_d < HEAD_DIM
+        heads = kvh * GROUP + offs_g
+        q = tl.load(
+            q_ptr + b.to(tl.int64) * stride_qb + heads[:, None] * stride_qh + offs_d[None, :],
+            mask=g_mask[:, None] & d_mask[None, :],
+            other=0.0,
+        )
+        q = q.to(k_cache_ptr.dtype.element_ty)
+        m_i = tl.full([BLOCK_G], float("-inf"), dtype=tl.float32)
+        l_i = tl.zeros([BLOCK_G], dtype=tl.float32)
+        acc = tl.zeros([BLOCK_G, BLOCK_D], dtype=tl.float32)
+        table = block_tables_ptr + b.to(tl.int64) * stride_bt
+        k_base = k_cache_ptr + kvh * stride_kh
+        v_base = v_cache_ptr + kvh * stride_vh
+        for n0 in range(start, end, BLOCK_N):
+            tok = n0 + offs_n
+            valid = tok < end
+            # Only pages below the length are looked up: the table may be wider than needed
+            # and its tail (or the null page) is never touched.
+            page = tl.load(table + tok // PAGE_SIZE, mask=valid, other=0).to(tl.int64)
+            slot_in_page = tok % PAGE_SIZE
+            kv_mask = valid[:, None] & d_mask[None, :]
+            k = tl.load(
+                k_base + (page * stride_kp + slot_in_page * stride_kt)[:, None] + offs_d[None, :],
+                mask=kv_mask,
+                other=0.0,
+            )
+            s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2
+            s = tl.where(valid[None, :], s, float("-inf"))
+            v = tl.load(
+                v_base + (page * stride_vp + slot_in_page * stride_vt)[:, None] + offs_d[None, :],
+                mask=kv_mask,
+                other=0.0,
+            )
+            m_i, l_i, acc = online_softmax_update(s, v, m_i, l_i, acc, DOT_PRECISION)
+        rows = ((b.to(tl.int64) * NUM_HEADS + heads) * NUM_SEGMENTS + seg) * WS_ROW
+        tl.store(
+            ws_ptr + rows[:, None] + offs_d[None, :], acc, mask=g_mask[:, None] & d_mask[None, :]
+        )
+        tl.store(ws_ptr + rows + HEAD_DIM, m_i, mask=g_mask)
+        tl.store(ws_ptr + rows + HEAD_DIM + 1, l_i, mask=g_mask)
+
+
+@triton.jit
+def _decode_combine_kernel(
+    ws_ptr,
+    seq_lens_ptr,
+    out_ptr,
+    stride_ob,
+    stride_oh,
+    NUM_HEADS: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    WS_ROW: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    NUM_SEGMENTS: tl.constexpr,
+    MIN_CHUNK: tl.constexpr,
+):
+    """Grid (batch, num_heads): merges the active segments of one (sequence, head).
+
+    The number of active segments is recomputed from the length, so segments that wrote
+    nothing are never read. The reduction over segments is one fixed-shape ``tl.sum``.
+    """
+    b = tl.program_id(0)
+    h = tl.program_id(1)
+    length = tl.load(seq_lens_ptr + b)
+    chunk = _segment_chunk(length, NUM_SEGMENTS, BLOCK_N, MIN_CHUNK)
+    num_active = tl.cdiv(length, chunk)
+    offs_s = tl.arange(0, NUM_SEGMENTS)
+    offs_d = tl.arange(0, BLOCK_D)
+    s_mask = offs_s < num_active
+    d_mask = offs_d < HEAD_DIM
+    rows = ((b.to(tl.int64) * NUM_HEADS + h) * NUM_SEGMENTS + offs_s) * WS_ROW
+    m = tl.load(ws_ptr + rows + HEAD_DIM, mask=s_mask, other=float("-inf"))
+    seg_l = tl.load(ws_ptr + rows + HEAD_DIM + 1, mask=s_mask, other=0.0)
+    m_max = tl.max(m, 0)
+    m_use = tl.where(num_active > 0, m_max, 0.0)
+    w = tl.where(s_mask, tl.exp2(m - m_use), 0.0)
+    denom = tl.sum(w * seg_l, 0)
+    acc = tl.load(
+        ws_ptr + rows[:, None] + offs_d[None, :], mask=s_mask[:, None] & d_mask[None, :], other=0.0
+    )
+    num = tl.sum(acc * w[:, None], 0)
+    # A zero-length KV has denom 0: exact zeros, never 0/0.
+    out = tl.where(denom > 0.0, num / tl.where(denom > 0.0, denom, 1.0), 0.0)
+    tl.store(
+        out_ptr + b.to(tl.int64) * stride_ob + h * stride_oh + offs_d,
+        out.to(out_ptr.dtype.element_ty),
+        mask=d_mask,
+    )
+
+
+def workspace_row(head_dim: int) -> int:
+    """fp32 words per (sequence, head, segment): the output, then max and sum, 16-byte rows."""
+    return (head_dim + 2 + 3) // 4 * 4
+
+
+def alloc_decode_workspace(
+    batch: int,
+    num_heads: int,
+    head_dim: int,
+    device: torch.device,
+    config: DecodeConfig = DEFAULT_DECODE_CONFIG,
+) -> torch.Tensor:
+    """[batch, num_heads, num_segments, workspace_row] fp32; its shape never depends on lengths."""
+    return torch.empty(
+        batch,
+        num_heads,
+        config.num_segments,
+        workspace_row(head_dim),
+        dtype=torch.float32,
+        device=device,
+    )
+
+
+def paged_decode_attention(
+    query: torch.Tensor,  # [B, num_heads, head_dim]
+    key_cache: torch.Tensor,  # [num_pages, num_kv_heads, page_size, head_dim], any strides
+    value_cache: torch.Tensor,
+    block_tables: torch.Tensor,  # [B, W] int32; W >= pages needed by the longest sequence
+    seq_lens: torch.Tensor,  # [B] int32; 0 gives a zero output
+    scale: float,
+    *,
+    out: torch.Tensor | None = None,  # [B, num_heads, head_dim], written entirely
+    workspace: torch.Tensor | None = None,  # from alloc_decode_workspace
+    config: DecodeConfig | None = None,  # None: default_decode_config(key_cache.dtype)
+) -> torch.Tensor:
+    """Decode attention of one query token per sequence over its paged K/V (fp32 accumulate).
+
+    Free of host synchronisation and of launch parameters that depend on lengths: safe to
+    capture in a CUDA graph.
+    """
+    b, num_heads, head_dim = query.shape
+    _, num_kv_heads, page_size, cache_dim = key_cache.shape
+    assert cache_dim == head_dim and value_cache.shape == key_cache.shape
+    assert num_heads % num_kv_heads == 0, "query heads must be a multiple of KV heads"
+    config = config or default_decode_config(key_cache.dtype)
+    assert key_cache.stride(-1) == 1 and value_cache.stride(-1) == 1
+    assert block_tables.dtype == torch.int32 and seq_lens.dtype == torch.int32
+    assert block_tables.stride(-1) == 1 and seq_lens.is_contiguous()
+    if query.stride(-1) != 1:
+        query = query.contiguous()
+    if out is None:
+        out = torch.empty_like(query, memory_format=torch.contiguous_format)
+    assert out.shape == query.shape and out.stride(-1) == 1
+    if b == 0:
+        return out
+    if workspace is None:
+        workspace = alloc_decode_workspace(b, num_heads, head_dim, query.device, config)
+    assert workspace.is_contiguous() and workspace.dtype == torch.float32
+    assert workspace.shape == (b, num_heads, config.num_segments, workspace_row(head_dim))
+    group = num_heads // num_kv_heads
+    block_d = max(16, triton.next_power_of_2(head_dim))
+    block_g = max(16, triton.next_power_of_2(group))
+    _decode_segment_kernel[(config.num_segments, num_kv_heads, b)](
+        query,
+        key_cache,
+        value_cache,
+        block_tables,
+        seq_lens,
+        workspace,
+        scale * LOG2E,
+        query.stride(0),
+        query.stride(1),
+        key_cache.stride(0),
+        key_cache.stride(1),
+        key_cache.stride(2),
+        value_cache.stride(0),
+        value_cache.stride(1),
+        value_cache.stride(2),
+        block_tables.stride(0),
+        NUM_HEADS=num_heads,
+        GROUP=group,
+        HEAD_DIM=head_dim,
+        PAGE_SIZE=page_size,
+        WS_ROW=workspace_row(head_dim),
+        BLOCK_G=block_g,
+        BLOCK_N=config.block_n,
+        BLOCK_D=block_d,
+        NUM_SEGMENTS=config.num_segments,
+        MIN_CHUNK=config.min_chunk,
+        DOT_PRECISION=dot_precision(key_cache.dtype),
+        num_warps=config.num_warps,
+        num_stages=config.num_stages,
+    )
+    _decode_combine_kernel[(b, num_heads)](
+        workspace,
+        seq_lens,
+        out,
+        out.stride(0),
+        out.stride(1),
+        NUM_HEADS=num_heads,
+        HEAD_DIM=head_dim,
+        WS_ROW=workspace_row(head_dim),
+        BLOCK_D=block_d,
+        BLOCK_N=config.block_n,
+        NUM_SEGMENTS=config.num_segments,
+        MIN_CHUNK=config.min_chunk,
+        num_warps=config.combine_num_warps,
+    )
+    return out
+
+
+def active_segments(length: int, config: DecodeConfig = DEFAULT_DECODE_CONFIG) -> int:
+    """Host mirror of the device split (for tests and the benchmark's accounting)."""
+    per = math.ceil(length / config.num_segments)
+    per = max(math.ceil(per / config.block_n) * config.block_n, config.min_chunk)
+    return math.ceil(length / per)

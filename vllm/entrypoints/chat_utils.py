@@ -1,0 +1,241 @@
+"""OpenAI-style chat messages -> an engine prompt, through the tokenizer's chat template.
+
+Message content is a string or a list of parts: ``{"type": "text", "text": ...}`` and
+``{"type": "image_url", "image_url": {"url": ...}}`` (offline, also ``{"type": "image_pil",
+"image_pil": <PIL.Image>}``). Image parts become ``{"type": "image"}`` for the template, which
+renders ``<|image|>`` for each; the images themselves are loaded separately, in order, and
+handed to the engine with the token ids.
+
+The rendered text already carries ``<|begin_of_text|>``, so it is tokenized without special
+tokens (vLLM's ``add_special_tokens=False`` default for chat); the engine gets token ids and
+never adds a second BOS.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from vllm.multimodal.image import ImageMediaConnector
+
+# Keys a request's chat_template_kwargs may not override (they are set from the request).
+_RESERVED_TEMPLATE_KWARGS = frozenset(
+    {
+        "conversation",
+        "messages",
+        "tokenize",
+        "chat_template",
+        "add_generation_prompt",
+        "continue_final_message",
+        "return_dict",
+    }
+)
+_PASSTHROUGH_KEYS = ("name", "tool_calls", "tool_call_id")
+
+
+@dataclass
+class ParsedConversation:
+    """Messages ready for the template, and the images their parts named, in order."""
+
+    messages: list[dict[str, Any]]
+    image_sources: list[Any] = field(default_factory=list)  # URL strings or PIL images
+
+
+def load_chat_template(value: str | None) -> str | None:
+    """``--chat-template``: a file path, or the template itself (anything with a ``{``)."""
+    if value is None:
+        return None
+    path = Path(value).expanduser()
+    try:
+        if path.is_file():
+            return path.read_text()
+    except OSError:
+        pass
+    if any(c in value for c in "{\n"):
+        return value
+    raise ValueError(
+        f"The chat template {value!r} is neither a readable file nor a template "
+        "(a Jinja template contains '{')."
+    )
+
+
+def _parse_part(part: Any, where: str, images: list[Any]) -> dict[str, Any]:
+    if isinstance(part, str):
+        return {"type": "text", "text": part}
+    if not isinstance(part, dict) or not isinstance(part.get("type"), str):
+        raise ValueError(f"{where} must be an object with a 'type'.")
+    kind = part["type"]
+    if kind == "text":
+        if not isinstance(part.get("text"), str):
+            raise ValueError(f"{where}: a text part needs a string 'text'.")
+        return {"type": "text", "text": part["text"]}
+    if kind == "image_url":
+        ref = part.get("image_url")
+        url = ref.get("url") if isinstance(ref, dict) else ref
+        if not isinstance(url, str) or not url:
+            raise ValueError(f"{where}: an image_url part needs 'image_url': {{'url': ...}}.")
+        images.append(url)
+        return {"type": "image"}
+    if kind == "image_pil":
+        images.append(part.get("image_pil"))
+        return {"type": "image"}
+    raise ValueError(
+        f"{where}: unsupported content part type {kind!r} (this model takes "
+        "'text' and 'image_url')."
+    )
+
+
+def parse_conversation(messages: Any) -> ParsedConversation:
+    """Validates OpenAI messages and converts image parts (raises ValueError)."""
+    if not isinstance(messages, list) or not messages:
+        raise ValueError("messages must be a non-empty list.")
+    out: list[dict[str, Any]] = []
+    images: list[Any] = []
+    for i, msg in enumerate(messages):
+        if not isinstance(msg, dict) or not isinstance(msg.get("role"), str):
+            raise ValueError(f"messages[{i}] must be an object with a string 'role'.")
+        content = msg.get("content")
+        if isinstance(content, list):
+            content = [
+                _parse_part(p, f"messages[{i}].content[{j}]", images) for j, p in enumerate(content)
+            ]
+        elif content is None:
+            content = ""
+        elif not isinstance(content, str):
+            raise ValueError(f"messages[{i}].content must be a string or a list of parts.")
+        converted = {"role": msg["role"], "content": content}
+        converted.update({k: msg[k] for k in _PASSTHROUGH_KEYS if k in msg})
+        out.append(converted)
+    return ParsedConversation(out, images)
+
+
+def render_chat_prompt(
+    tokenizer: Any,
+    messages: list[dict[str, Any]],
+    chat_template: str | None = None,
+    add_generation_prompt: bool = True,
+    continue_final_message: bool = False,
+    chat_template_kwargs: dict[str, Any] | None = None,
+) -> str:
+    """Applies the chat template; template errors (``raise_exception``) become ValueError."""
+    import jinja2
+
+    if chat_template is None and not getattr(tokenizer, "chat_template", None):
+        raise ValueError("The tokenizer has no chat template; pass one with --chat-template.")
+    if add_generation_prompt and continue_final_message:
+        raise ValueError(
+            "Cannot set both `continue_final_message` and `add_generation_prompt` to true."
+        )
+    extra = {
+        k: v for k, v in (chat_template_kwargs or {}).items() if k not in _RESERVED_TEMPLATE_KWARGS
+    }
+    try:
+        text = tokenizer.apply_chat_template(
+            messages,
+            chat_template=chat_template,
+            add_generation_prompt=add_generation_prompt,
+            continue_final_message=continue_final_message,
+            tokenize=False,
+            **extra,
+        )
+    except jinja2.TemplateError as e:
+        raise ValueError(str(e)) from None
+    if not isinstance(text, str):
+        raise ValueError("The chat template did not render to a string.")
+    return text
+
+
+def tokenize_chat_prompt(tokenizer: Any, text: str, add_special_tokens: bool = False) -> list[int]:
+    return list(tokenizer(text, add_special_tokens=add_special_tokens)["input_ids"])
+
+
+def make_prompt(token_ids: list[int], text: str, images: list[Any]) -> dict[str, Any]:
+    """The engine prompt: token ids (the rendered text kept for outputs) plus images."""
+    prompt: dict[str, Any] = {"prompt_token_ids": token_ids, "prompt": text}
+    if images:
+        prompt["multi_modal_data"] = {"image": images}
+    return prompt
+
+
+def _render_and_tokenize(
+    tokenizer: Any,
+    parsed: ParsedConversation,
+    chat_template: str | None,
+    add_generation_prompt: bool,
+    continue_final_message: bool,
+    chat_template_kwargs: dict[str, Any] | None,
+    add_special_tokens: bool,
+) -> tuple[str, list[int]]:
+    text = render_chat_prompt(
+        tokenizer,
+        parsed.messages,
+        chat_template,
+        add_generation_prompt,
+        continue_final_message,
+        chat_template_kwargs,
+    )
+    return text, tokenize_chat_prompt(tokenizer, text, add_special_tokens)
+
+
+def parse_chat_messages(
+    messages: list[dict[str, Any]],
+    tokenizer: Any,
+    chat_template: str | None = None,
+    add_generation_prompt: bool = True,
+    chat_template_kwargs: dict[str, Any] | None = None,
+    continue_final_message: bool = False,
+    media: ImageMediaConnector | None = None,
+) -> dict[str, Any]:
+    """Blocking: messages -> ``{"prompt_token_ids", "prompt", "multi_modal_data"}`` (offline
+    ``LLM.chat``). Image URLs are loaded with ``media`` (default rules if omitted)."""
+    parsed = parse_conversation(messages)
+    text, ids = _render_and_tokenize(
+        tokenizer,
+        parsed,
+        chat_template,
+        add_generation_prompt,
+        continue_final_message,
+        chat_template_kwargs,
+        False,
+    )
+    media = media or ImageMediaConnector()
+    images = [
+        src if not isinstance(src, str) else media.fetch_image(src) for src in parsed.image_sources
+    ]
+    return make_prompt(ids, text, images)
+
+
+async def parse_chat_messages_async(
+    parsed: ParsedConversation,
+    tokenizer: Any,
+    media: ImageMediaConnector,
+    chat_template: str | None = None,
+    add_generation_prompt: bool = True,
+    chat_template_kwargs: dict[str, Any] | None = None,
+    continue_final_message: bool = False,
+    add_special_tokens: bool = False,
+) -> dict[str, Any]:
+    """The server's path: the template and tokenizer run in a worker thread while the images
+    are fetched and decoded concurrently; nothing here blocks the event loop."""
+    for src in parsed.image_sources:
+        if not isinstance(src, str):
+            raise ValueError("image_pil parts are only supported offline; send image_url.")
+    render = asyncio.to_thread(
+        _render_and_tokenize,
+        tokenizer,
+        parsed,
+        chat_template,
+        add_generation_prompt,
+        continue_final_message,
+        chat_template_kwargs,
+        add_special_tokens,
+    )
+    fetches = [media.fetch_image_async(src) for src in parsed.image_sources]
+    results = await asyncio.gather(render, *fetches, return_exceptions=True)
+    for r in results:
+        if isinstance(r, BaseException):
+            raise r
+    text, ids = results[0]
+    return make_prompt(ids, text, list(results[1:]))

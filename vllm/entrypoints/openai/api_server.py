@@ -1,0 +1,281 @@
+"""The OpenAI-compatible HTTP server: FastAPI routes over :class:`AsyncLLMEngine`, run by uvicorn.
+
+``build_app(args, engine)`` builds an app around an existing engine (several apps may share one
+engine; each has its own metrics registry); ``run_server(args)`` reserves the port, builds the
+engine and serves until interrupted. Run it as ``vllm serve MODEL`` or
+``python -m vllm.entrypoints.openai.api_server --model MODEL``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hmac
+import socket
+import sys
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.middleware.cors import CORSMiddleware
+from starlette.responses import JSONResponse, Response
+from starlette.types import ASGIApp, Receive, Scope, Send
+
+from vllm.engine.async_llm_engine import AsyncLLMEngine, EngineDeadError
+from vllm.entrypoints.chat_utils import load_chat_template
+from vllm.entrypoints.openai.cli_args import make_arg_parser, validate_parsed_serve_args
+from vllm.entrypoints.openai.metrics import CONTENT_TYPE, ServerMetrics
+from vllm.entrypoints.openai.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+)
+from vllm.entrypoints.openai.serving_chat import OpenAIServingChat
+from vllm.entrypoints.openai.serving_completion import OpenAIServingCompletion
+from vllm.entrypoints.openai.serving_engine import (
+    ClientDisconnectedError,
+    OpenAIServingError,
+    ServerContext,
+    error_body,
+)
+from vllm.entrypoints.openai.serving_models import show_available_models
+from vllm.entrypoints.openai.serving_tokenization import (
+    DetokenizeRequest,
+    OpenAIServingTokenization,
+    TokenizeRequest,
+)
+from vllm.logger import init_logger
+from vllm.multimodal.image import ImageMediaConnector
+from vllm.version import __version__
+
+logger = init_logger("vllm.entrypoints.openai.api_server")
+
+
+class APIKeyMiddleware:
+    """Requires ``Authorization: Bearer <key>`` on ``/v1/*`` (health and metrics stay open).
+
+    Pure ASGI, so streamed responses and disconnect detection pass through untouched.
+    """
+
+    def __init__(self, app: ASGIApp, api_key: str) -> None:
+        self.app = app
+        self.expected = f"Bearer {api_key}".encode()
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or scope.get("method") == "OPTIONS":
+            return await self.app(scope, receive, send)
+        path = scope.get("path", "")
+        root = scope.get("root_path", "")
+        if root and path.startswith(root):
+            path = path[len(root) :]
+        if not path.startswith("/v1"):
+            return await self.app(scope, receive, send)
+        given = b""
+        for name, value in scope.get("headers", []):
+            if name == b"authorization":
+                given = value
+                break
+        if hmac.compare_digest(given, self.expected):
+            return await self.app(scope, receive, send)
+        await JSONResponse({"error": "Unauthorized"}, status_code=401)(scope, receive, send)
+
+
+def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
+    parts, param = [], None
+    for err in exc.errors():
+        loc = [str(x) for x in err.get("loc", ()) if x != "body"]
+        msg = str(err.get("msg", "invalid value")).removeprefix("Value error, ")
+        if loc and param is None:
+            param = loc[0]
+        parts.append(f"{'.'.join(loc)}: {msg}" if loc else msg)
+    return "; ".join(parts) or "Invalid request.", param
+
+
+def _add_exception_handlers(app: FastAPI) -> None:
+    @app.exception_handler(RequestValidationError)
+    async def on_validation(_: Request, exc: RequestValidationError) -> JSONResponse:
+        message, param = _validation_message(exc)  # 400 like vLLM, not FastAPI's 422
+        return JSONResponse(error_body(message, "BadRequestError", 400, param), 400)
+
+    @app.exception_handler(OpenAIServingError)
+    async def on_serving_error(_: Request, exc: OpenAIServingError) -> JSONResponse:
+        return JSONResponse(exc.body(), exc.status)
+
+    @app.exception_handler(EngineDeadError)
+    async def on_engine_dead(_: Request, exc: EngineDeadError) -> JSONResponse:
+        return JSONResponse(error_body(str(exc), "InternalServerError", 500), 500)
+
+    @app.exception_handler(Exception)
+    async def on_unexpected(_: Request, exc: Exception) -> JSONResponse:
+        logger.error("Unexpected error while serving a request: %r", exc)
+        return JSONResponse(
+            error_body(f"Internal server error: {exc!r}", "InternalServerError", 500), 500
+        )
+
+    @app.exception_handler(ClientDisconnectedError)
+    async def on_disconnect(_: Request, exc: ClientDisconnectedError) -> Response:
+        return Response(status_code=499)  # nobody is listening any more
+
+
+def build_server_context(args: argparse.Namespace, engine: AsyncLLMEngine) -> ServerContext:
+    mc = engine.config.model_config
+    names = args.served_model_name or [mc.served_model_name]
+    names = [names] if isinstance(names, str) else list(names)
+    return ServerContext(
+        engine=engine,
+        served_model_names=names,
+        model_root=str(args.model or mc.model),
+        media=ImageMediaConnector(args.allowed_local_media_path, args.allowed_image_hosts),
+        metrics=ServerMetrics(engine, names[0], mc.max_model_len),
+        chat_template=load_chat_template(args.chat_template),
+        response_role=args.response_role,
+        log_requests=bool(args.enable_log_requests),
+        max_log_len=args.max_log_len,
+    )
+
+
+def _add_routes(app: FastAPI, ctx: ServerContext) -> None:
+    chat = OpenAIServingChat(ctx)
+    completion = OpenAIServingCompletion(ctx)
+    tokenization = OpenAIServingTokenization(ctx)
+
+    @app.get("/health")
+    async def health() -> Response:
+        try:
+            await ctx.engine.check_health()
+        except EngineDeadError:
+            return Response(status_code=503)
+        return Response(status_code=200)
+
+    @app.get("/version")
+    async def version() -> dict[str, str]:
+        return {"version": __version__}
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        return Response(ctx.metrics.render(), media_type=CONTENT_TYPE)
+
+    @app.get("/v1/models")
+    async def show_models() -> dict[str, Any]:
+        return show_available_models(ctx).model_dump()
+
+    @app.post("/v1/chat/completions")
+    async def create_chat_completion(
+        request: ChatCompletionRequest, raw_request: Request
+    ) -> Response:
+        return await chat.create_chat_completion(request, raw_request)
+
+    @app.post("/v1/completions")
+    async def create_completion(request: CompletionRequest, raw_request: Request) -> Response:
+        return await completion.create_completion(request, raw_request)
+
+    @app.post("/tokenize")
+    async def tokenize(request: TokenizeRequest) -> dict[str, Any]:
+        return (await tokenization.create_tokenize(request)).model_dump()
+
+    @app.post("/detokenize")
+    async def detokenize(request: DetokenizeRequest) -> dict[str, Any]:
+        return (await tokenization.create_detokenize(request)).model_dump()
+
+
+def build_app(args: argparse.Namespace, engine: AsyncLLMEngine) -> FastAPI:
+    """The FastAPI app for ``engine`` configured by the server flags in ``args``."""
+    docs: dict[str, Any] = {}
+    if args.disable_fastapi_docs:
+        docs = {"docs_url": None, "redoc_url": None, "openapi_url": None}
+    app = FastAPI(
+        title="vLLM-compatible OpenAI API",
+        version=__version__,
+        root_path=args.root_path or "",
+        **docs,
+    )
+    ctx = build_server_context(args, engine)
+    app.state.ctx = ctx
+    _add_exception_handlers(app)
+    _add_routes(app, ctx)
+    api_key = args.api_key
+    if api_key:
+        app.add_middleware(APIKeyMiddleware, api_key=api_key)
+    app.add_middleware(
+        CORSMiddleware,
+        allow_origins=args.allowed_origins,
+        allow_credentials=args.allow_credentials,
+        allow_methods=args.allowed_methods,
+        allow_headers=args.allowed_headers,
+    )
+    return app
+
+
+def create_server_socket(host: str | None, port: int) -> socket.socket:
+    """Binds the listening address now, before the engine loads, so a busy port fails fast."""
+    family = socket.AF_INET6 if host and ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host or "0.0.0.0", port))
+    except OSError as e:
+        sock.close()
+        raise SystemExit(
+            f"Error: cannot listen on {host or '0.0.0.0'}:{port} ({e.strerror}); "
+            "is the port already in use? Choose another one with --port."
+        ) from None
+    return sock
+
+
+def run_server(args: argparse.Namespace) -> None:
+    """Validates the flags, reserves the port, builds the engine and serves until stopped."""
+    import uvicorn
+
+    from vllm.engine.arg_utils import EngineArgs
+
+    try:
+        validate_parsed_serve_args(args)
+        load_chat_template(args.chat_template)
+        ImageMediaConnector(args.allowed_local_media_path, args.allowed_image_hosts)
+        engine_args = EngineArgs.from_cli_args(args)
+    except ValueError as e:
+        raise SystemExit(f"Error: {e}") from None
+    sock = create_server_socket(args.host, args.port)
+    try:
+        engine = AsyncLLMEngine.from_engine_args(engine_args)
+    except (ValueError, OSError) as e:
+        sock.close()
+        raise SystemExit(f"Error: {e}") from None
+    try:
+        app = build_app(args, engine)
+        config = uvicorn.Config(
+            app,
+            log_level=args.uvicorn_log_level,
+            access_log=not args.disable_uvicorn_access_log,
+            timeout_keep_alive=5,
+            ssl_keyfile=args.ssl_keyfile,
+            ssl_certfile=args.ssl_certfile,
+        )
+        scheme = "https" if args.ssl_certfile else "http"
+        logger.info(
+            "Serving %s on %s://%s:%d",
+            ", ".join(app.state.ctx.served_model_names),
+            scheme,
+            args.host or "0.0.0.0",
+            sock.getsockname()[1],
+        )
+        try:
+            uvicorn.Server(config).run(sockets=[sock])
+        except KeyboardInterrupt:  # uvicorn re-raises the SIGINT it handled: a clean stop
+            logger.info("Server stopped.")
+    finally:
+        engine.shutdown()
+        sock.close()
+
+
+def main(argv: list[str] | None = None) -> None:
+    from vllm.engine.cli_args import FlexibleArgumentParser
+
+    parser = FlexibleArgumentParser(
+        prog="python -m vllm.entrypoints.openai.api_server",
+        description="vLLM-compatible OpenAI API server for Llama 3.2 Vision.",
+    )
+    make_arg_parser(parser, positional_model=False)
+    run_server(parser.parse_args(sys.argv[1:] if argv is None else argv))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,142 @@
+"""Flags of the OpenAI-compatible server (``vllm serve`` and ``python -m
+vllm.entrypoints.openai.api_server``): vLLM's server flags plus every engine flag."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+
+from vllm.engine.cli_args import add_engine_cli_args, resolve_model_tag
+
+UVICORN_LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")
+
+
+def _json_list(value: str) -> list[str]:
+    try:
+        items = json.loads(value)
+    except json.JSONDecodeError:
+        items = [v.strip() for v in value.split(",") if v.strip()]
+    if not isinstance(items, list):
+        raise argparse.ArgumentTypeError(f"expected a JSON list, got {value!r}")
+    return [str(v) for v in items]
+
+
+def make_arg_parser(
+    parser: argparse.ArgumentParser, positional_model: bool = False
+) -> argparse.ArgumentParser:
+    """Adds the server flags and the engine flags to ``parser``."""
+    g = parser.add_argument_group("server arguments")
+    g.add_argument("--host", default=None, help="Host name to listen on (default: all interfaces).")
+    g.add_argument("--port", type=int, default=8000, help="Port number (default: 8000).")
+    g.add_argument(
+        "--uvicorn-log-level",
+        default="info",
+        choices=UVICORN_LOG_LEVELS,
+        help="Log level for uvicorn.",
+    )
+    g.add_argument(
+        "--disable-uvicorn-access-log", action="store_true", help="Disable uvicorn's access log."
+    )
+    g.add_argument("--allow-credentials", action="store_true", help="CORS: allow credentials.")
+    g.add_argument(
+        "--allowed-origins",
+        type=_json_list,
+        default=["*"],
+        help="CORS: allowed origins, as a JSON list.",
+    )
+    g.add_argument(
+        "--allowed-methods",
+        type=_json_list,
+        default=["*"],
+        help="CORS: allowed methods, as a JSON list.",
+    )
+    g.add_argument(
+        "--allowed-headers",
+        type=_json_list,
+        default=["*"],
+        help="CORS: allowed headers, as a JSON list.",
+    )
+    g.add_argument(
+        "--api-key",
+        default=None,
+        help="If given (or env VLLM_API_KEY), /v1/* "
+        "requests must send 'Authorization: Bearer <key>'.",
+    )
+    g.add_argument(
+        "--chat-template",
+        default=None,
+        help="Chat template file, or the template itself; defaults to the tokenizer's.",
+    )
+    g.add_argument(
+        "--chat-template-content-format",
+        default="auto",
+        choices=("auto", "string", "openai"),
+        help="Accepted for compatibility; "
+        "content is always given to the template as OpenAI-style parts.",
+    )
+    g.add_argument(
+        "--response-role",
+        default="assistant",
+        help="Role of generated messages when add_generation_prompt is true.",
+    )
+    g.add_argument("--ssl-keyfile", default=None, help="SSL key file.")
+    g.add_argument("--ssl-certfile", default=None, help="SSL certificate file.")
+    g.add_argument(
+        "--root-path", default=None, help="FastAPI root_path when behind a path-based proxy."
+    )
+    g.add_argument(
+        "--allowed-local-media-path",
+        default="",
+        help="Allow file:// image URLs below this directory (off by default).",
+    )
+    g.add_argument(
+        "--allowed-image-hosts",
+        type=_json_list,
+        default=[],
+        help="Hosts, addresses or CIDRs from which image URLs may be fetched even "
+        "though they are private or loopback (JSON list or comma-separated; '*' "
+        "for all). Default: public addresses only. Env VLLM_ALLOWED_IMAGE_HOSTS "
+        "adds to it.",
+    )
+    g.add_argument(
+        "--enable-log-requests",
+        action="store_true",
+        help="Log each request's prompt and sampling parameters.",
+    )
+    g.add_argument(
+        "--disable-log-requests",
+        action="store_true",
+        help="Deprecated: request logging is off unless --enable-log-requests is given.",
+    )
+    g.add_argument(
+        "--max-log-len",
+        type=int,
+        default=None,
+        help="Maximum number of prompt "
+        "characters or token ids printed in request logs (default: unlimited).",
+    )
+    g.add_argument(
+        "--disable-fastapi-docs",
+        action="store_true",
+        help="Disable /docs, /redoc and /openapi.json.",
+    )
+    add_engine_cli_args(parser, positional_model=positional_model)
+    return parser
+
+
+def validate_parsed_serve_args(args: argparse.Namespace) -> None:
+    """Post-parse fixes and checks (raises ValueError with a message for the user)."""
+    resolve_model_tag(args)
+    if args.model is None:
+        from vllm.engine.arg_utils import EngineArgs
+
+        args.model = EngineArgs.model
+    if args.api_key is None:
+        args.api_key = os.environ.get("VLLM_API_KEY") or None
+    if args.enable_log_requests and args.disable_log_requests:
+        raise ValueError("--enable-log-requests and --disable-log-requests conflict.")
+    if not 0 <= args.port <= 65535:
+        raise ValueError(f"--port must be in 0..65535, got {args.port}")
+    if args.max_log_len is not None and args.max_log_len < 0:
+        raise ValueError("--max-log-len must be non-negative")

@@ -1,0 +1,357 @@
+"""Request and response bodies of the OpenAI-compatible API (vLLM's field names and defaults).
+
+Requests allow unknown fields (``extra="allow"``); the server logs them as ignored. Sampling
+fields default to ``None`` here: only the fields a client actually sent reach
+``SamplingParams``, so the checkpoint's generation-config defaults fill the rest.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
+
+# Request fields copied to SamplingParams under the same name when the client sent them.
+SAMPLING_FIELDS = (
+    "n",
+    "best_of",
+    "presence_penalty",
+    "frequency_penalty",
+    "repetition_penalty",
+    "temperature",
+    "top_p",
+    "top_k",
+    "min_p",
+    "seed",
+    "stop",
+    "stop_token_ids",
+    "ignore_eos",
+    "min_tokens",
+    "skip_special_tokens",
+    "spaces_between_special_tokens",
+    "include_stop_str_in_output",
+    "truncate_prompt_tokens",
+    "prompt_logprobs",
+    "logit_bias",
+    "allowed_token_ids",
+    "bad_words",
+)
+# Features this server rejects with a 400 when a request asks for them.
+GUIDED_FIELDS = (
+    "guided_json",
+    "guided_regex",
+    "guided_choice",
+    "guided_grammar",
+    "structured_outputs",
+)
+
+
+def random_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex}"
+
+
+class OpenAIBaseModel(BaseModel):
+    """Base of request bodies: unknown fields are kept (and reported by ``ignored_fields``)."""
+
+    model_config = ConfigDict(extra="allow")
+
+    def ignored_fields(self) -> list[str]:
+        return sorted(self.model_extra or {})
+
+
+class ErrorInfo(BaseModel):
+    """The ``error`` object of an error body."""
+
+    message: str
+    type: str
+    param: str | None = None
+    code: int
+
+
+class ErrorResponse(BaseModel):
+    """vLLM >= 0.10.1 / OpenAI error body: ``{"error": {...}}``."""
+
+    error: ErrorInfo
+
+
+class StreamOptions(OpenAIBaseModel):
+    """``stream_options``: the usage chunk (``include_usage`` defaults to true)."""
+
+    include_usage: bool | None = True
+    continuous_usage_stats: bool | None = False
+
+
+class UsageInfo(BaseModel):
+    """Token counts of a response (prompt = the decoder prompt, see serving_chat)."""
+
+    prompt_tokens: int = 0
+    total_tokens: int = 0
+    completion_tokens: int | None = 0
+    prompt_tokens_details: dict[str, int] | None = None
+
+
+class _SamplingRequest(OpenAIBaseModel):
+    """Fields shared by chat and completion requests."""
+
+    model: str | None = None
+    frequency_penalty: float | None = None
+    presence_penalty: float | None = None
+    logit_bias: dict[str, float] | None = None
+    n: int | None = None
+    seed: int | None = Field(default=None, ge=INT64_MIN, le=INT64_MAX)
+    stop: str | list[str] | None = None
+    stream: bool | None = False
+    stream_options: StreamOptions | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    user: str | None = None
+    response_format: dict[str, Any] | None = None
+    # vLLM extensions (``extra_body`` in the openai SDK)
+    best_of: int | None = None
+    use_beam_search: bool = False
+    top_k: int | None = None
+    min_p: float | None = None
+    repetition_penalty: float | None = None
+    stop_token_ids: list[int] | None = None
+    include_stop_str_in_output: bool | None = None
+    ignore_eos: bool | None = None
+    min_tokens: int | None = None
+    skip_special_tokens: bool | None = None
+    spaces_between_special_tokens: bool | None = None
+    truncate_prompt_tokens: int | None = Field(default=None, ge=1)
+    prompt_logprobs: int | None = None
+    allowed_token_ids: list[int] | None = None
+    bad_words: list[str] | None = None
+    request_id: str | None = None
+    priority: int = 0
+
+    @model_validator(mode="after")
+    def _check_stream_options(self) -> _SamplingRequest:
+        if self.stream_options is not None and not self.stream:
+            raise ValueError("Stream options can only be defined when `stream=True`.")
+        return self
+
+    def sampling_kwargs(self) -> dict[str, Any]:
+        """SamplingParams keyword arguments for the fields the client set (and not to null)."""
+        sent = self.model_fields_set
+        return {
+            k: getattr(self, k)
+            for k in SAMPLING_FIELDS
+            if k in sent and getattr(self, k) is not None
+        }
+
+    def unsupported_feature(self) -> str | None:
+        """The name of a requested feature this server does not implement, if any."""
+        rf = self.response_format
+        if rf is not None and rf.get("type", "text") != "text":
+            return f"response_format type {rf.get('type')!r}"
+        if self.use_beam_search:
+            return "use_beam_search"
+        extra = self.model_extra or {}
+        for name in GUIDED_FIELDS:
+            if extra.get(name) is not None:
+                return name
+        return None
+
+
+class ChatCompletionRequest(_SamplingRequest):
+    """``POST /v1/chat/completions`` body."""
+
+    messages: list[dict[str, Any]]
+    logprobs: bool | None = False
+    top_logprobs: int | None = None
+    max_tokens: int | None = Field(default=None, description="Deprecated: max_completion_tokens")
+    max_completion_tokens: int | None = None
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = "none"
+    parallel_tool_calls: bool | None = None
+    echo: bool = False
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    add_special_tokens: bool = False
+    chat_template: str | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+    mm_processor_kwargs: dict[str, Any] | None = None
+
+    @model_validator(mode="after")
+    def _check_logprobs(self) -> ChatCompletionRequest:
+        if self.top_logprobs is not None:
+            if self.top_logprobs < 0:
+                raise ValueError("`top_logprobs` must be a positive value.")
+            if self.top_logprobs > 0 and not self.logprobs:
+                raise ValueError("when using `top_logprobs`, `logprobs` must be set to true.")
+        return self
+
+    def requested_max_tokens(self) -> int | None:
+        return self.max_completion_tokens or self.max_tokens
+
+    def requested_logprobs(self) -> int | None:
+        return (self.top_logprobs or 0) if self.logprobs else None
+
+    def unsupported_feature(self) -> str | None:
+        found = super().unsupported_feature()
+        if found:
+            return found
+        if self.tools and self.tool_choice not in (None, "none"):
+            return "tools / tool_choice"
+        if self.echo:
+            return "echo"
+        if self.mm_processor_kwargs:
+            return "mm_processor_kwargs"
+        return None
+
+
+class CompletionRequest(_SamplingRequest):
+    """``POST /v1/completions`` body."""
+
+    prompt: str | list[str] | list[int] | list[list[int]]
+    echo: bool | None = False
+    logprobs: int | None = Field(default=None, ge=0)
+    max_tokens: int | None = 16
+    suffix: str | None = None
+    add_special_tokens: bool = True
+
+    def unsupported_feature(self) -> str | None:
+        found = super().unsupported_feature()
+        if found:
+            return found
+        if self.suffix:
+            return "suffix"
+        if self.echo and (self.logprobs is not None or self.stream):
+            return "echo with logprobs or stream"
+        return None
+
+
+class ChatMessage(BaseModel):
+    """A generated chat message."""
+
+    role: str
+    content: str | None = None
+    tool_calls: list[dict[str, Any]] = Field(default_factory=list)
+    reasoning_content: str | None = None
+
+
+class ChatCompletionLogProb(BaseModel):
+    """A token and its log-probability."""
+
+    token: str
+    logprob: float = -9999.0
+    bytes: list[int] | None = None
+
+
+class ChatCompletionLogProbsContent(ChatCompletionLogProb):
+    """A generated token with its most likely alternatives."""
+
+    top_logprobs: list[ChatCompletionLogProb] = Field(default_factory=list)
+
+
+class ChatCompletionLogProbs(BaseModel):
+    """Chat ``logprobs``: one entry per generated token."""
+
+    content: list[ChatCompletionLogProbsContent] | None = None
+
+
+class ChatCompletionResponseChoice(BaseModel):
+    """One choice of a non-streamed chat completion."""
+
+    index: int
+    message: ChatMessage
+    logprobs: ChatCompletionLogProbs | None = None
+    finish_reason: str | None = "stop"
+    stop_reason: int | str | None = None
+
+
+class ChatCompletionResponse(BaseModel):
+    """``POST /v1/chat/completions`` body (non-streamed)."""
+
+    id: str = Field(default_factory=lambda: random_id("chatcmpl"))
+    object: Literal["chat.completion"] = "chat.completion"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    model: str
+    choices: list[ChatCompletionResponseChoice]
+    usage: UsageInfo
+    prompt_logprobs: list[dict[int, dict[str, Any]] | None] | None = None
+
+
+class DeltaMessage(BaseModel):
+    """The new part of a streamed message."""
+
+    role: str | None = None
+    content: str | None = None
+
+
+class ChatCompletionResponseStreamChoice(BaseModel):
+    """One choice of a chat stream chunk."""
+
+    index: int
+    delta: DeltaMessage
+    logprobs: ChatCompletionLogProbs | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+
+class ChatCompletionStreamResponse(BaseModel):
+    """One SSE chunk of a streamed chat completion."""
+
+    id: str
+    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
+    created: int
+    model: str
+    choices: list[ChatCompletionResponseStreamChoice]
+    usage: UsageInfo | None = None
+
+
+class CompletionLogProbs(BaseModel):
+    """Legacy completions ``logprobs`` (parallel lists per token)."""
+
+    text_offset: list[int] = Field(default_factory=list)
+    token_logprobs: list[float | None] = Field(default_factory=list)
+    tokens: list[str] = Field(default_factory=list)
+    top_logprobs: list[dict[str, float] | None] = Field(default_factory=list)
+
+
+class CompletionResponseChoice(BaseModel):
+    """One choice of a non-streamed completion."""
+
+    index: int
+    text: str
+    logprobs: CompletionLogProbs | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    prompt_logprobs: list[dict[int, dict[str, Any]] | None] | None = None
+
+
+class CompletionResponse(BaseModel):
+    """``POST /v1/completions`` body (non-streamed)."""
+
+    id: str = Field(default_factory=lambda: random_id("cmpl"))
+    object: Literal["text_completion"] = "text_completion"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    model: str
+    choices: list[CompletionResponseChoice]
+    usage: UsageInfo
+
+
+class CompletionResponseStreamChoice(BaseModel):
+    """One choice of a completion stream chunk."""
+
+    index: int
+    text: str
+    logprobs: CompletionLogProbs | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+
+
+class CompletionStreamResponse(BaseModel):
+    """One SSE chunk of a streamed completion."""
+
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int
+    model: str
+    choices: list[CompletionResponseStreamChoice]
+    usage: UsageInfo | None = None

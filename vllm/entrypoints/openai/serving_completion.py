@@ -1,0 +1,215 @@
+"""``POST /v1/completions``: raw prompts (a string, strings, token ids or lists of them).
+
+Each prompt is its own engine request; choice ``index`` is ``prompt_index * n + sample_index``
+as in vLLM. Every prompt is tokenized, length-checked and processed before any of them starts,
+so a bad prompt in a batch fails the whole call with a 400 and runs nothing.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import time
+from collections.abc import AsyncGenerator, AsyncIterator
+from dataclasses import dataclass
+from typing import Any
+
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+
+from vllm.entrypoints.openai.protocol import (
+    CompletionLogProbs,
+    CompletionRequest,
+    CompletionResponse,
+    CompletionResponseChoice,
+    CompletionResponseStreamChoice,
+    CompletionStreamResponse,
+    UsageInfo,
+    random_id,
+)
+from vllm.entrypoints.openai.serving_chat import in_band_error, prompt_logprobs_json, token_text
+from vllm.entrypoints.openai.serving_engine import OpenAIServing, bad_request, truncate_prompt
+from vllm.entrypoints.openai.streaming import (
+    SSE_DONE,
+    SSEResponse,
+    merge_async_iterators,
+    sse_event,
+)
+from vllm.outputs import CompletionOutput, RequestOutput
+from vllm.sampling_params import SamplingParams
+
+
+@dataclass
+class _Prepared:
+    """One prompt of the request, ready for the engine."""
+
+    text: str | None
+    token_ids: list[int]
+    params: SamplingParams
+    processed: Any
+
+
+def _prompt_list(prompt: Any) -> list[str | list[int]]:
+    if isinstance(prompt, str):
+        return [prompt]
+    if not prompt:
+        raise bad_request("The prompt must not be empty.", "prompt")
+    if all(isinstance(p, int) for p in prompt):
+        return [list(prompt)]
+    return list(prompt)
+
+
+class OpenAIServingCompletion(OpenAIServing):
+    """Completions over the async engine."""
+
+    async def create_completion(self, request: CompletionRequest, raw_request: Request) -> Response:
+        model = self.check_request(request)
+        prepared = [await self._prepare(request, p) for p in _prompt_list(request.prompt)]
+        base_id = f"cmpl-{request.request_id}" if request.request_id else random_id("cmpl")
+        gens = []
+        for i, p in enumerate(prepared):
+            rid = f"{base_id}-{i}"
+            self.log_request(rid, p.text, p.token_ids, p.params)
+            gens.append(self.generate(p.processed, p.params, rid))
+        if request.stream:
+            return SSEResponse(self._stream(request, gens, prepared, base_id, model))
+        finals = await self.collect_final(gens, raw_request)
+        return JSONResponse(self._response(request, finals, prepared, base_id, model).model_dump())
+
+    async def _prepare(self, request: CompletionRequest, prompt: str | list[int]) -> _Prepared:
+        if isinstance(prompt, str):
+            text: str | None = prompt
+            ids = await self.tokenize_text(prompt, request.add_special_tokens)
+        else:
+            text, ids = None, [int(t) for t in prompt]
+        ids = truncate_prompt(ids, request.truncate_prompt_tokens)
+        self.check_length(len(ids), request.max_tokens)
+        kwargs = request.sampling_kwargs()
+        if request.logprobs is not None:
+            kwargs["logprobs"] = request.logprobs
+        params = self.sampling_params(
+            kwargs, request.max_tokens, self.ctx.max_model_len - len(ids), bool(request.stream)
+        )
+        engine_prompt: dict[str, Any] = {"prompt_token_ids": ids}
+        if text is not None:
+            engine_prompt["prompt"] = text
+        return _Prepared(text, ids, params, await self.process(engine_prompt))
+
+    def _logprobs(self, c: CompletionOutput, offset: int) -> CompletionLogProbs | None:
+        """Legacy completions logprobs; ``offset`` is where this text starts in the choice."""
+        if c.logprobs is None:
+            return None
+        tok = self.ctx.tokenizer
+        out = CompletionLogProbs()
+        for tid, step in zip(c.token_ids, c.logprobs, strict=False):
+            chosen = step.get(tid)
+            text = token_text(tid, chosen, tok)
+            out.tokens.append(text)
+            out.token_logprobs.append(max(chosen.logprob, -9999.0) if chosen else None)
+            out.top_logprobs.append(
+                {token_text(t, lp, tok): max(lp.logprob, -9999.0) for t, lp in step.items()}
+            )
+            out.text_offset.append(offset)
+            offset += len(text)
+        return out
+
+    def _response(
+        self,
+        request: CompletionRequest,
+        finals: list[RequestOutput],
+        prepared: list[_Prepared],
+        request_id: str,
+        model: str,
+    ) -> CompletionResponse:
+        choices, num_prompt, num_generated = [], 0, 0
+        for i, (final, prep) in enumerate(zip(finals, prepared, strict=True)):
+            num_prompt += len(prep.token_ids)
+            prefix = ""
+            if request.echo:
+                prefix = (
+                    prep.text
+                    if prep.text is not None
+                    else self.ctx.tokenizer.decode(prep.token_ids)
+                )
+            for c in final.outputs:
+                num_generated += len(c.token_ids)
+                choices.append(
+                    CompletionResponseChoice(
+                        index=i * prep.params.n + c.index,
+                        text=prefix + c.text,
+                        logprobs=self._logprobs(c, len(prefix)),
+                        finish_reason=c.finish_reason,
+                        stop_reason=c.stop_reason,
+                        prompt_logprobs=prompt_logprobs_json(final),
+                    )
+                )
+        usage = UsageInfo(
+            prompt_tokens=num_prompt,
+            completion_tokens=num_generated,
+            total_tokens=num_prompt + num_generated,
+        )
+        return CompletionResponse(id=request_id, model=model, choices=choices, usage=usage)
+
+    async def _stream(
+        self,
+        request: CompletionRequest,
+        gens: list[AsyncGenerator[RequestOutput, None]],
+        prepared: list[_Prepared],
+        request_id: str,
+        model: str,
+    ) -> AsyncIterator[str]:
+        created = int(time.time())
+        opts = request.stream_options
+        include_usage = bool(opts and opts.include_usage)
+        continuous = bool(include_usage and opts and opts.continuous_usage_stats)
+        num_prompt = sum(len(p.token_ids) for p in prepared)
+        generated: dict[int, int] = {}
+        offsets: dict[int, int] = {}
+        done: set[int] = set()
+
+        def usage() -> UsageInfo:
+            total = sum(generated.values())
+            return UsageInfo(
+                prompt_tokens=num_prompt, completion_tokens=total, total_tokens=num_prompt + total
+            )
+
+        def chunk(choice: CompletionResponseStreamChoice | None) -> str:
+            fields: dict[str, Any] = {"choices": [choice] if choice is not None else []}
+            if choice is None or continuous:
+                fields["usage"] = usage()
+            resp = CompletionStreamResponse(
+                id=request_id, object="text_completion", created=created, model=model, **fields
+            )
+            return sse_event(resp.model_dump_json(exclude_unset=True))
+
+        try:
+            async with contextlib.aclosing(merge_async_iterators(gens)) as merged:
+                async for i, out in merged:
+                    for c in out.outputs:
+                        index = i * prepared[i].params.n + c.index
+                        if index in done:
+                            continue
+                        generated[index] = generated.get(index, 0) + len(c.token_ids)
+                        has_logprobs = c.logprobs is not None and len(c.token_ids) > 0
+                        if c.finish_reason is None and not c.text and not has_logprobs:
+                            continue
+                        if c.finish_reason is not None:
+                            done.add(index)
+                        logprobs = self._logprobs(c, offsets.get(index, 0))
+                        offsets[index] = offsets.get(index, 0) + len(c.text)
+                        yield chunk(
+                            CompletionResponseStreamChoice(
+                                index=index,
+                                text=c.text,
+                                logprobs=logprobs,
+                                finish_reason=c.finish_reason,
+                                stop_reason=c.stop_reason,
+                            )
+                        )
+                    if out.finished:
+                        self.ctx.metrics.observe_finished(out)
+            if include_usage:
+                yield chunk(None)
+        except Exception as e:
+            yield sse_event(json.dumps(in_band_error(e)))
+        yield SSE_DONE

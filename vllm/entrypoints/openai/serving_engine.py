@@ -1,0 +1,246 @@
+"""What the chat, completion and tokenization handlers share: the served model names, errors,
+prompt-length checks, sampling parameters from a request, and running engine requests.
+
+Handlers raise :class:`OpenAIServingError`; the app turns it into vLLM's (>= 0.10.1) error
+body ``{"error": {"message", "type", "param", "code"}}``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import AsyncGenerator
+from dataclasses import dataclass
+from typing import Any
+
+from starlette.requests import Request
+
+from vllm.engine.async_llm_engine import AsyncLLMEngine
+from vllm.entrypoints.openai.metrics import ServerMetrics
+from vllm.entrypoints.openai.protocol import OpenAIBaseModel
+from vllm.entrypoints.openai.streaming import wait_for_disconnect
+from vllm.logger import init_logger
+from vllm.multimodal.image import ImageMediaConnector
+from vllm.outputs import RequestOutput
+from vllm.sampling_params import RequestOutputKind, SamplingParams
+
+logger = init_logger(__name__)
+
+
+class OpenAIServingError(Exception):
+    """An error answered with an OpenAI-style body and the given HTTP status."""
+
+    def __init__(
+        self,
+        message: str,
+        status: int = 400,
+        err_type: str = "BadRequestError",
+        param: str | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.message = message
+        self.status = status
+        self.err_type = err_type
+        self.param = param
+
+    def body(self) -> dict[str, Any]:
+        return error_body(self.message, self.err_type, self.status, self.param)
+
+
+class ClientDisconnectedError(Exception):
+    """The client went away before a non-streamed response was ready."""
+
+
+def error_body(
+    message: str, err_type: str, status: int, param: str | None = None
+) -> dict[str, Any]:
+    return {"error": {"message": message, "type": err_type, "param": param, "code": status}}
+
+
+def truncate_prompt(token_ids: list[int], keep_last: int | None) -> list[int]:
+    """``truncate_prompt_tokens``: keep the last ``keep_last`` prompt tokens."""
+    if keep_last is not None and 0 < keep_last < len(token_ids):
+        return token_ids[-keep_last:]
+    return token_ids
+
+
+def bad_request(message: str, param: str | None = None) -> OpenAIServingError:
+    return OpenAIServingError(message, 400, "BadRequestError", param)
+
+
+@dataclass
+class ServerContext:
+    """State shared by every handler of one app."""
+
+    engine: AsyncLLMEngine
+    served_model_names: list[str]
+    model_root: str
+    media: ImageMediaConnector
+    metrics: ServerMetrics
+    chat_template: str | None = None
+    response_role: str = "assistant"
+    log_requests: bool = False
+    max_log_len: int | None = None
+
+    @property
+    def max_model_len(self) -> int:
+        return self.engine.config.model_config.max_model_len
+
+    @property
+    def tokenizer(self) -> Any:
+        return self.engine.get_tokenizer()
+
+
+class OpenAIServing:
+    """Base class of the endpoint handlers."""
+
+    def __init__(self, ctx: ServerContext) -> None:
+        self.ctx = ctx
+        self.engine = ctx.engine
+
+    # ------------------------------------------------------------------ request checks
+    def model_name(self, requested: str | None) -> str:
+        """The name to answer with; 404 for a model this server does not serve."""
+        names = self.ctx.served_model_names
+        if requested is None or requested == "":
+            return names[0]
+        if requested not in names:
+            raise OpenAIServingError(
+                f"The model `{requested}` does not exist.", 404, "NotFoundError", "model"
+            )
+        return requested
+
+    def check_request(self, request: OpenAIBaseModel) -> str:
+        """Model name, unsupported features and ignored fields; returns the model name."""
+        name = self.model_name(getattr(request, "model", None))
+        unsupported = getattr(request, "unsupported_feature", lambda: None)()
+        if unsupported:
+            raise bad_request(f"{unsupported} is not supported yet by this server.")
+        ignored = request.ignored_fields()
+        if ignored:
+            logger.warning(
+                "The following fields were present in the request but ignored: %s", ignored
+            )
+        return name
+
+    def check_length(self, num_prompt_tokens: int, max_tokens: int | None) -> None:
+        """vLLM's context-length errors (the prompt is the decoder prompt, see usage)."""
+        limit = self.ctx.max_model_len
+        if num_prompt_tokens >= limit:
+            raise bad_request(
+                f"This model's maximum context length is {limit} tokens. However, you "
+                f"requested {num_prompt_tokens} tokens in the messages, Please reduce the "
+                "length of the messages."
+            )
+        if max_tokens is not None and num_prompt_tokens + max_tokens > limit:
+            raise bad_request(
+                f"This model's maximum context length is {limit} tokens. However, you "
+                f"requested {num_prompt_tokens + max_tokens} tokens ({num_prompt_tokens} in "
+                f"the messages, {max_tokens} in the completion). Please reduce the length of "
+                "the messages or completion."
+            )
+
+    # ------------------------------------------------------------------ inputs
+    async def tokenize_text(self, text: str, add_special_tokens: bool) -> list[int]:
+        tok = self.ctx.tokenizer
+        enc = await asyncio.to_thread(tok, text, add_special_tokens=add_special_tokens)
+        return list(enc["input_ids"])
+
+    async def process(self, prompt: dict[str, Any]) -> Any:
+        """The engine's input processing (in its worker pool); bad input -> 400."""
+        try:
+            return await self.engine.process_inputs(prompt)
+        except (ValueError, TypeError, OSError) as e:
+            raise bad_request(str(e)) from None
+
+    def sampling_params(
+        self,
+        kwargs: dict[str, Any],
+        max_tokens: int | None,
+        default_max_tokens: int | None,
+        stream: bool,
+    ) -> SamplingParams:
+        """SamplingParams from the fields the client sent, then the checkpoint's
+        generation-config defaults for the rest (``update_from_generation_config``)."""
+        llm_engine = self.engine.engine
+        gen_config = llm_engine.generation_config
+        if max_tokens is None and default_max_tokens is not None:
+            max_tokens = default_max_tokens
+            if gen_config.get("max_new_tokens"):
+                max_tokens = min(max_tokens, int(gen_config["max_new_tokens"]))
+        kind = RequestOutputKind.DELTA if stream else RequestOutputKind.FINAL_ONLY
+        try:
+            params = SamplingParams(**kwargs, max_tokens=max_tokens, output_kind=kind)
+            params.update_from_generation_config(gen_config, llm_engine.eos_token_ids)
+            # The engine's own checks (logprobs cap, token ids), before any response starts.
+            llm_engine.check_params(params)
+        except (ValueError, TypeError) as e:
+            raise bad_request(str(e)) from None
+        max_seqs = self.engine.config.scheduler_config.max_num_seqs
+        if params.n > max_seqs:  # the scheduler's own check, but before a stream starts
+            raise bad_request(f"n={params.n} exceeds max_num_seqs ({max_seqs}).", "n")
+        return params
+
+    def log_request(
+        self, request_id: str, prompt: str | None, token_ids: list[int], params: SamplingParams
+    ) -> None:
+        if not self.ctx.log_requests:
+            return
+        n = self.ctx.max_log_len
+        text = prompt[:n] if (prompt is not None and n is not None) else prompt
+        ids = token_ids[:n] if n is not None else token_ids
+        logger.info(
+            "Received request %s: prompt: %r, params: %s, prompt_token_ids: %s",
+            request_id,
+            text,
+            params,
+            ids,
+        )
+
+    # ------------------------------------------------------------------ running requests
+    def generate(
+        self, processed: Any, params: SamplingParams, request_id: str
+    ) -> AsyncGenerator[RequestOutput, None]:
+        return self.engine.generate(None, params, request_id, processed=processed)
+
+    async def collect_final(
+        self, gens: list[AsyncGenerator[RequestOutput, None]], raw_request: Request
+    ) -> list[RequestOutput]:
+        """Runs requests to completion; aborts them all if the client disconnects first."""
+
+        async def last(gen: AsyncGenerator[RequestOutput, None]) -> RequestOutput:
+            final = None
+            async with contextlib.aclosing(gen):
+                async for out in gen:
+                    final = out
+            if final is None:
+                raise RuntimeError("the engine finished a request without output")
+            self.ctx.metrics.observe_finished(final)
+            return final
+
+        async def run_all() -> list[RequestOutput]:
+            try:
+                async with asyncio.TaskGroup() as tg:  # one failure cancels the others
+                    tasks = [tg.create_task(last(g)) for g in gens]
+            except BaseExceptionGroup as eg:
+                raise eg.exceptions[0] from None
+            return [t.result() for t in tasks]
+
+        work = asyncio.ensure_future(run_all())
+        watcher = asyncio.ensure_future(wait_for_disconnect(raw_request.receive))
+        try:
+            await asyncio.wait({work, watcher}, return_when=asyncio.FIRST_COMPLETED)
+            if not work.done():
+                raise ClientDisconnectedError()
+            try:
+                return work.result()
+            except ValueError as e:  # rejected by the engine when added
+                raise bad_request(str(e)) from None
+        finally:
+            watcher.cancel()
+            if not work.done():
+                work.cancel()
+                with contextlib.suppress(asyncio.CancelledError, Exception):
+                    await work
+            for g in gens:  # requests that never started still hold nothing, but close them
+                await g.aclose()
