@@ -106,7 +106,9 @@ def determine_num_pages(runner) -> int:
     peak = profile_prefill_peak(runner)
     graphs = 0 if cfg.model_config.enforce_eager else decode_graph_reserve(cfg)
     budget = int(total * cfg.cache_config.gpu_memory_utilization) - peak - graphs
-    num = max(budget // lo.page_bytes, 0)
+    # Never more than the scheduler could ever fill (max_num_seqs full-length sequences).
+    usable = cfg.scheduler_config.max_num_seqs * pages_per_seq(cfg, lo)
+    num = min(max(budget // lo.page_bytes, 0), usable)
     logger.info("Memory split (GiB): total %.2f x %.2f; weights %.2f; peak activations %.2f; "
                 "decode graphs reserved %.2f; KV pages %.2f (%d pages of %d KiB)",
                 total / GiB, cfg.cache_config.gpu_memory_utilization, weights / GiB,
