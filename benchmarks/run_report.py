@@ -213,7 +213,10 @@ def main() -> None:
     replays = sum(stats.graph_replays.values())
     report["graph_replay_fraction"] = replays / max(replays + stats.eager_decode_steps, 1)
     if not args.skip_hf:
-        llm.llm_engine.runner.cache_engine = None
+        from vllm.worker.cache_engine import CacheEngine
+
+        CacheEngine.unbind(model)
+        runner.cache_engine = runner.graphs = None
         torch.cuda.empty_cache()
         from transformers import AutoProcessor
 

@@ -4,12 +4,7 @@
 # Usage (from the repository root, with .whl/ and .cache/demo/ carried):
 #   bash tools/gpu_check.sh [pytest paths...]
 set -uo pipefail
-OUT=${OUT:-/tmp/out}
-mkdir -p "$OUT"
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
-  --target /tmp/site .whl/*.whl || exit 1
-export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1
-export VLLM_DEMO_DIR=$PWD/.cache/demo
+source tools/gpu_env.sh || exit 1
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv | tee "$OUT/gpu.txt"
 python3 -c "import torch, triton, transformers; print('torch', torch.__version__, 'triton', triton.__version__, 'transformers', transformers.__version__)" | tee -a "$OUT/gpu.txt"
 TESTS=${*:-tests/kernels tests/model_executor/test_sampler.py tests/models tests/worker tests/engine}

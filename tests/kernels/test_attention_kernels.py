@@ -389,7 +389,7 @@ def test_ranged_cross_matches_reference(
 def test_triton_backend_matches_torch_reference() -> None:
     """Every back-end method against TORCH_REF through AttentionMetadata (tiny shapes)."""
     gen, hq, hkv, d, page = _gen(13), 4, 2, 32, 4
-    triton_be, torch_be = TritonBackend(SMALL), TorchReferenceBackend()
+    triton_be, torch_be = TritonBackend(SMALL, prefill="triton"), TorchReferenceBackend()
     lens = [9, 30]
     q, k, v = _packed_qkv(sum(lens), hq, hkv, d, torch.float32, gen)
     ranges = torch.tensor([[0, 0]] * 3 + [[0, 20]] * 36, dtype=torch.int32, device=DEVICE)

@@ -11,6 +11,7 @@ from __future__ import annotations
 import torch
 
 from vllm.attention.metadata import AttentionMetadata
+from vllm.attention.ops import reference as ref
 from vllm.attention.ops.triton_decode import DecodeConfig, paged_decode_attention
 from vllm.attention.ops.triton_kv_write import write_kv_cache
 from vllm.attention.ops.triton_prefill import ranged_cross_attention, varlen_causal_attention
@@ -26,10 +27,17 @@ class TritonBackend:
 
     name = "TRITON"
 
-    def __init__(self, decode_config: DecodeConfig | None = None) -> None:
+    def __init__(self, decode_config: DecodeConfig | None = None,
+                 prefill: str = "sdpa") -> None:
         # None: the per-dtype default (``default_decode_config``); static for the process,
         # so every captured graph and every eager step split the KV the same way.
         self.decode_config = decode_config
+        # Prefill kernel: torch SDPA (cuDNN on Hopper) measured faster than our Triton
+        # kernels on the H200 (8k causal GQA: 0.92 vs 1.35 ms; 1k x 6404 ranged cross:
+        # 0.19 vs 0.31 ms), so it is the default; "triton" keeps the Triton kernels.
+        if prefill not in ("sdpa", "triton"):
+            raise ValueError(f"prefill must be 'sdpa' or 'triton', got {prefill!r}")
+        self.prefill = prefill
 
     def write_kv(
         self,
@@ -51,6 +59,8 @@ class TritonBackend:
     ) -> torch.Tensor:
         # query: [T, Hq, D], key/value: [T, Hkv, D] -> [T, Hq, D]
         assert md.seq_lens is not None
+        if self.prefill == "sdpa":
+            return ref.varlen_causal_attention(query, key, value, md.seq_lens, scale)
         query_start_loc = md.query_start_loc
         if query_start_loc is None:
             starts = [0]
@@ -90,6 +100,9 @@ class TritonBackend:
     ) -> torch.Tensor:
         # query: [T, Hq, D], key/value: [S, Hkv, D] packed vision tokens -> [T, Hq, D]
         assert md.cross_kv_ranges is not None
+        if self.prefill == "sdpa":
+            assert md.cross_range_runs is not None
+            return ref.ranged_cross_attention(query, key, value, md.cross_range_runs, scale)
         if key.shape[0] == 0:  # host shape: no vision token in the step
             return torch.zeros_like(query)
         return ranged_cross_attention(query, key, value, md.cross_kv_ranges, scale)

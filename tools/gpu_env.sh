@@ -1,0 +1,9 @@
+#!/usr/bin/env bash
+# Source on a GPU machine with .whl/ and .cache/demo/ carried: installs the carried wheels
+# (pinned transformers and the server/test dependencies) into /tmp/site and sets the paths.
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+  --target /tmp/site .whl/*.whl || return 1
+export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1
+export VLLM_DEMO_DIR=$PWD/.cache/demo
+export OUT=${OUT:-/tmp/out}
+mkdir -p "$OUT"
