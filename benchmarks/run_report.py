@@ -117,8 +117,11 @@ def decode_grid(llm: LLM, batches: list[int], steps: int, weights: dict) -> list
             gpu_ms = replay_ms(llm, cross, bs)
             kv = kv_bytes_per_step(llm)
             saved, runner.graphs = runner.graphs, None
+            eager0 = runner.stats.eager_decode_steps
             eager_ms = time_decode(llm, max(steps // 2, 4))
             runner.graphs = saved
+            # Deliberate eager steps are not fallbacks: keep them out of the replay fraction.
+            runner.stats.deliberate_eager += runner.stats.eager_decode_steps - eager0
             engine.abort_request(list(engine.scheduler.requests))
             wbytes = weights["cross" if cross else "text"]
             rows.append({"mix": mix, "batch": bs, "graph_ms": graph_ms, "gpu_ms": gpu_ms,
@@ -211,7 +214,8 @@ def main() -> None:
     report["decode"] = decode_grid(llm, batches, args.steps, weights)
     stats = runner.stats
     replays = sum(stats.graph_replays.values())
-    report["graph_replay_fraction"] = replays / max(replays + stats.eager_decode_steps, 1)
+    fallbacks = stats.eager_decode_steps - stats.deliberate_eager
+    report["graph_replay_fraction"] = replays / max(replays + fallbacks, 1)
     if not args.skip_hf:
         from vllm.worker.cache_engine import CacheEngine
 

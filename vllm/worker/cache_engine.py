@@ -14,6 +14,7 @@ import torch
 
 from vllm.model_executor.models.mllama import MllamaForConditionalGeneration
 from vllm.transformers_utils.config import MllamaSpec
+from vllm.utils import to_device
 
 
 @dataclass(frozen=True)
@@ -89,6 +90,6 @@ class CacheEngine:
         """Copies whole pages (every layer) src -> dst, e.g. a forked sibling's last page."""
         if not pairs:
             return
-        src = torch.tensor([s for s, _ in pairs], device=self.buffer.device)
-        dst = torch.tensor([d for _, d in pairs], device=self.buffer.device)
+        src = to_device([s for s, _ in pairs], torch.int64, self.buffer.device)
+        dst = to_device([d for _, d in pairs], torch.int64, self.buffer.device)
         self.buffer.index_copy_(0, dst, self.buffer.index_select(0, src))

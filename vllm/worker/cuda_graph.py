@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from vllm.logger import init_logger
+from vllm.utils import to_device
 
 if TYPE_CHECKING:
     from vllm.worker.model_runner import ModelRunner
@@ -49,8 +50,6 @@ class DecodeGraphRunner:
         self.device = runner.device
         self.static_rows = torch.full((sizes[-1],), self.null_row, dtype=torch.int64,
                                       device=self.device)
-        self._staging = torch.empty(sizes[-1], dtype=torch.int64,
-                                    pin_memory=self.device.type == "cuda")
         self.width = runner.max_pages_per_seq
         self.cross_width = runner.max_cross_pages
         self.max_seq_len = cfg.model_config.max_model_len
@@ -100,19 +99,21 @@ class DecodeGraphRunner:
             raise RuntimeError(f"decode batch of {n} exceeds the largest graph ({self.sizes[-1]})")
         return self.sizes[i]
 
-    def run(self, row_ids: list[int], cross: bool) -> torch.Tensor:
-        """Pads the rows to their bucket, replays (or emulates) the family's graph -> [n, V]."""
+    def run(self, row_ids: list[int], cross: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        """Pads the rows to their bucket and replays (or emulates) the family's graph.
+
+        Returns the logits [n, V] and the device row index [n] (a view of the static buffer,
+        valid until the next run)."""
         n = len(row_ids)
         bs = self.bucket_for(n)
         family = CROSS if cross else TEXT
-        staging = self._staging[:bs]
-        staging[:n] = torch.tensor(row_ids, dtype=torch.int64)
-        staging[n:] = self.null_row
-        self.static_rows[:bs].copy_(staging, non_blocking=True)
+        rows = row_ids + [self.null_row] * (bs - n)
+        # A fresh pinned buffer per step: an in-flight step may still be reading the last one.
+        self.static_rows[:bs].copy_(to_device(rows, torch.int64, self.device))
         if self.device.type == "cuda":
             self.graphs[(family, bs)].replay()
             logits = self.outputs[(family, bs)]
         else:
             logits = self.forward(bs, family)
         self.runner.stats.graph_replays[(family, bs)] += 1
-        return logits[:n]
+        return logits[:n], self.static_rows[:n]

@@ -13,6 +13,8 @@ from dataclasses import dataclass
 
 import torch
 
+from vllm.utils import to_device
+
 
 @dataclass
 class DecodeInputs:
@@ -64,8 +66,8 @@ class DecodeRows:
         ct = torch.zeros(self.cross_tables.shape[1], dtype=torch.int32)
         if cross_table:
             ct[:len(cross_table)] = torch.tensor(cross_table, dtype=torch.int32)
-        self.block_tables[row].copy_(bt, non_blocking=True)
-        self.cross_tables[row].copy_(ct, non_blocking=True)
+        self.block_tables[row].copy_(to_device(bt, torch.int32, self.device))
+        self.cross_tables[row].copy_(to_device(ct, torch.int32, self.device))
         self.encoder_lens[row] = encoder_len
         self.positions[row] = position
 
@@ -73,7 +75,7 @@ class DecodeRows:
         """(row, page index, page) writes for pages appended this step."""
         if not updates:
             return
-        u = torch.tensor(updates, dtype=torch.int64).to(self.device, non_blocking=True)
+        u = to_device(updates, torch.int64, self.device)
         self.block_tables[u[:, 0], u[:, 1]] = u[:, 2].to(torch.int32)
 
     def gather(self, rows: torch.Tensor, width: int, cross_width: int) -> DecodeInputs:

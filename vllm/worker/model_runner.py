@@ -29,6 +29,7 @@ from vllm.model_executor.layers.sampler import (
     make_generator,
 )
 from vllm.model_executor.model_loader.loader import get_model
+from vllm.utils import to_device
 from vllm.worker.cache_engine import CacheEngine, PageLayout
 from vllm.worker.decode_state import DecodeInputs, DecodeRows
 from vllm.worker.prefill_inputs import PrefillItem, build_prefill_batch
@@ -42,6 +43,7 @@ class RunnerStats:
 
     graph_replays: Counter = field(default_factory=Counter)  # (family, bucket) -> replays
     eager_decode_steps: int = 0
+    deliberate_eager: int = 0  # eager steps a benchmark asked for (not graph fallbacks)
     prefill_steps: int = 0
     host_time_s: float = 0.0  # host time spent launching steps
     steps: int = 0
@@ -181,7 +183,7 @@ class ModelRunner:
         expand = [i for i, group in enumerate(out.samplers) for _ in group]
         sample_seqs = [s for group in out.samplers for s in group]
         if len(expand) != len(out.prefill_seqs):
-            logits = logits[torch.tensor(expand, device=self.device)]
+            logits = logits[to_device(expand, torch.int64, self.device)]
         sampler_out = self.sampler(logits, self._sampling_rows(sample_seqs))
         rows = []
         for s in sample_seqs:
@@ -190,7 +192,7 @@ class ModelRunner:
             self.rows.load(s.row, s.block_table, s.request.cross_block_table,
                            s.request.inputs.encoder_seq_len, len(s.token_ids))
         self.cache_engine.copy_pages(out.page_copies)
-        self.rows.set_tokens(torch.tensor(rows, device=self.device),
+        self.rows.set_tokens(to_device(rows, torch.int64, self.device),
                              sampler_out.sampled_token_ids)
         self.stats.prefill_steps += 1
         result.seqs = sample_seqs
@@ -204,7 +206,7 @@ class ModelRunner:
             k = req.params.prompt_logprobs
             if k is not None and req.prompt_logprobs is None and n > 1:
                 logits = self.model.compute_logits(hidden[start:start + n - 1])
-                targets = torch.tensor(s.token_ids[1:n], device=self.device)
+                targets = to_device(s.token_ids[1:n], torch.int64, self.device)
                 vals, ids, ranks = compute_prompt_logprobs(logits, targets, k)
                 result.prompt_logprobs[req.request_id] = (
                     vals.cpu().tolist(), ids.cpu().tolist(), ranks.cpu().tolist())
@@ -217,21 +219,20 @@ class ModelRunner:
         max_enc = max(s.request.inputs.encoder_seq_len for s in seqs)
         row_ids = [s.row for s in seqs]
         if self.graphs is not None:
-            logits = self.graphs.run(row_ids, cross=max_enc > 0)
+            logits, rows_t = self.graphs.run(row_ids, cross=max_enc > 0)
         else:
-            logits = self._eager_decode(seqs, row_ids, max_enc)
+            rows_t = to_device(row_ids, torch.int64, self.device)
+            logits = self._eager_decode(seqs, rows_t, max_enc)
             self.stats.eager_decode_steps += 1
         sampler_out = self.sampler(logits, self._sampling_rows(seqs))
-        rows_t = torch.tensor(row_ids, device=self.device)
         self.rows.advance(rows_t, sampler_out.sampled_token_ids)
         return StepOutput(seqs=list(seqs), token_ids=[]), sampler_out
 
-    def _eager_decode(self, seqs: list[Sequence], row_ids: list[int],
+    def _eager_decode(self, seqs: list[Sequence], rows_t: torch.Tensor,
                       max_enc: int) -> torch.Tensor:
         assert self.rows is not None
         width = max(len(s.block_table) for s in seqs)
         cross_width = max(max(len(s.request.cross_block_table) for s in seqs), 1)
-        rows_t = torch.tensor(row_ids, device=self.device)
         return self.decode_forward(rows_t, width, cross_width, max(len(s) for s in seqs),
                                    max_enc)
 

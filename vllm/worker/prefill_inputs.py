@@ -15,6 +15,7 @@ import torch
 from vllm.attention.metadata import AttentionMetadata
 from vllm.multimodal.cross_attention import ImageRun
 from vllm.multimodal.processing import ProcessedInputs
+from vllm.utils import to_device
 
 
 @dataclass
@@ -104,7 +105,7 @@ def build_prefill_batch(items: list[PrefillItem], block_size: int, cross_block_s
         starts.append(starts[-1] + n)
 
     def t(values, dtype=torch.int64):
-        return torch.tensor(values, dtype=dtype).to(device, non_blocking=True)
+        return to_device(values, dtype, device)
 
     md = AttentionMetadata(
         is_prefill=True,
@@ -131,7 +132,7 @@ def build_prefill_batch(items: list[PrefillItem], block_size: int, cross_block_s
         positions=t(positions),
         metadata=md,
         logits_indices=t([s - 1 for s in starts[1:]]),
-        pixel_values=torch.cat(pixel).to(device) if pixel else None,
-        aspect_ratio_ids=torch.cat(ar_ids).to(device) if ar_ids else None,
+        pixel_values=to_device(torch.cat(pixel), torch.float32, device) if pixel else None,
+        aspect_ratio_ids=to_device(torch.cat(ar_ids), torch.int64, device) if ar_ids else None,
         num_tiles=num_tiles,
     )

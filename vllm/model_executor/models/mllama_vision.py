@@ -17,6 +17,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from vllm.model_executor.layers.linear import Linear, MergedLinear
 from vllm.transformers_utils.config import VisionSpec
+from vllm.utils import to_device
 
 # cuDNN's attention is the fastest SDPA back-end for these shapes on Hopper (head_dim 80).
 _CUDA_SDPA_ORDER = [SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION,
@@ -208,7 +209,7 @@ class MllamaVisionModel(nn.Module):
         outputs: list[torch.Tensor | None] = [None] * len(num_tiles)
         for nt in sorted(set(num_tiles)):
             members = [i for i, n in enumerate(num_tiles) if n == nt]
-            index = torch.tensor(members, device=x.device)
+            index = to_device(members, torch.int64, x.device)
             encoded = self._encode_group(x[index], aspect_ratio_ids[index], nt)
             for j, i in enumerate(members):
                 outputs[i] = encoded[j]

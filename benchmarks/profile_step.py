@@ -1,0 +1,65 @@
+"""Kernel-level profile of the 11B decode step and of a one-image prefill (CUDA only).
+
+    python benchmarks/profile_step.py --out /tmp/profile
+
+Prints, per phase, the kernels sorted by total CUDA time (torch.profiler).
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+from vllm import LLM, SamplingParams
+
+
+def table(prof, rows: int = 30) -> str:
+    return prof.key_averages().table(sort_by="cuda_time_total", row_limit=rows)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", default="/tmp/profile")
+    args = ap.parse_args()
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    import run_report as rr
+
+    llm = LLM(model="demo/mllama-11b", load_format="dummy", dtype="bfloat16",
+              max_model_len=4096, max_num_seqs=8, gpu_memory_utilization=0.5)
+    engine = llm.llm_engine
+    params = SamplingParams(temperature=0, max_tokens=1000, ignore_eos=True)
+    prompt = rr.make_prompt(llm, True, 128, 3)
+    processed = engine.process_inputs(prompt)
+    engine.add_request("warm", None, params, processed=processed)
+    for _ in range(4):
+        engine.step()
+    engine.abort_request("warm")
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        engine.add_request("p", None, params, processed=processed)
+        engine.step()  # the prefill
+        torch.cuda.synchronize()
+    (out / "prefill.txt").write_text(table(prof))
+    for _ in range(3):
+        engine.step()
+    runner = engine.runner
+    for name, graphs in (("decode_graph", runner.graphs), ("decode_eager", None)):
+        saved, runner.graphs = runner.graphs, graphs
+        torch.cuda.synchronize()
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            for _ in range(5):
+                engine.step()
+            torch.cuda.synchronize()
+        runner.graphs = saved
+        (out / f"{name}.txt").write_text(table(prof, 40))
+    for f in ("prefill", "decode_graph", "decode_eager"):
+        print(f"===== {f}")
+        print((out / f"{f}.txt").read_text()[:6000])
+
+
+if __name__ == "__main__":
+    main()
