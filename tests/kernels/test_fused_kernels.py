@@ -10,7 +10,12 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from vllm.model_executor.layers.fused_kernels import rms_norm, rotary_inplace, silu_and_mul
+from vllm.model_executor.layers.fused_kernels import (
+    gate_rows,
+    rms_norm,
+    rotary_inplace,
+    silu_and_mul,
+)
 from vllm.model_executor.layers.layernorm import rms_norm_ref
 from vllm.model_executor.layers.rotary_embedding import RotaryEmbedding
 from vllm.transformers_utils.config import RopeSpec
@@ -73,3 +78,26 @@ def test_rotary_inplace_matches_reference(dtype, heads) -> None:
     assert torch.allclose(dq.float().cpu(), exp_q.float(), atol=_tol(dtype), rtol=_tol(dtype))
     assert torch.allclose(dk.float().cpu(), exp_k.float(), atol=_tol(dtype), rtol=_tol(dtype))
     assert torch.equal(dev_qkv[:, (hq + hkv) * d:], v_before)  # v untouched
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_gated_rows_and_gated_residual_norm(dtype) -> None:
+    """gate * where(mask, x, 0), alone and fused into the residual add + norm; NaN rows that
+    are masked out stay out."""
+    g = torch.Generator().manual_seed(4)
+    x = torch.randn(5, 96, generator=g).to(DEVICE, dtype)
+    x[1] = float("nan")
+    res = torch.randn(5, 96, generator=g).to(DEVICE, dtype)
+    w = (1 + 0.1 * torch.randn(96, generator=g)).to(DEVICE, dtype)
+    gate = torch.tensor([0.7], dtype=dtype, device=DEVICE)
+    mask = torch.tensor([[True], [False], [True], [False], [True]], device=DEVICE)
+    expected = gate * torch.where(mask, x, torch.zeros_like(x))
+    got = gate_rows(x, gate, mask)
+    assert torch.isfinite(got).all()
+    assert torch.allclose(got.float(), expected.float(), atol=_tol(dtype), rtol=_tol(dtype))
+    exp_res = res + expected
+    exp_out = rms_norm_ref(exp_res, w, 1e-5)
+    res_in = res.clone()
+    out = rms_norm(x, w, 1e-5, res_in, gate=gate, row_mask=mask)
+    assert torch.allclose(out.float(), exp_out.float(), atol=2 * _tol(dtype), rtol=2 * _tol(dtype))
+    assert torch.allclose(res_in.float(), exp_res.float(), atol=_tol(dtype), rtol=_tol(dtype))

@@ -14,12 +14,18 @@ import triton.language as tl
 
 
 @triton.jit
-def _rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, n_cols, x_stride, res_stride, out_stride,
-                     eps, HAS_RESIDUAL: tl.constexpr, BLOCK: tl.constexpr):
+def _rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, gate_ptr, mask_ptr, n_cols, x_stride,
+                     res_stride, out_stride, mask_stride, eps, HAS_RESIDUAL: tl.constexpr,
+                     HAS_GATE: tl.constexpr, BLOCK: tl.constexpr):
     row = tl.program_id(0)
     cols = tl.arange(0, BLOCK)
     mask = cols < n_cols
     x = tl.load(x_ptr + row * x_stride + cols, mask=mask, other=0.0)
+    if HAS_GATE:
+        # A gated branch: gate * where(row_mask, x, 0), rounded like the reference's product.
+        keep = tl.load(mask_ptr + row * mask_stride) != 0
+        g = tl.load(gate_ptr).to(tl.float32)
+        x = tl.where(keep, (g * x.to(tl.float32)).to(x.dtype), tl.zeros_like(x))
     if HAS_RESIDUAL:
         r = tl.load(res_ptr + row * res_stride + cols, mask=mask, other=0.0)
         # The reference adds in the activation dtype: round the sum before normalising.
@@ -34,16 +40,45 @@ def _rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, n_cols, x_stride, res_strid
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
-             residual: torch.Tensor | None = None) -> torch.Tensor:
+             residual: torch.Tensor | None = None, gate: torch.Tensor | None = None,
+             row_mask: torch.Tensor | None = None) -> torch.Tensor:
     """x: [N, H] -> [N, H]. With ``residual`` ([N, H], updated in place to x + residual) the
-    norm is taken of the sum (the fused add-and-norm of a decoder block)."""
+    norm is taken of the sum (the fused add-and-norm of a decoder block). With ``gate`` ([1])
+    and ``row_mask`` ([N, 1] bool), x is first replaced by gate * where(row_mask, x, 0)."""
     n, h = x.shape
     out = torch.empty_like(x)
     block = triton.next_power_of_2(h)
     res = residual if residual is not None else x
-    _rms_norm_kernel[(n,)](x, res, weight, out, h, x.stride(0), res.stride(0), out.stride(0),
-                           eps, HAS_RESIDUAL=residual is not None, BLOCK=block,
-                           num_warps=min(max(block // 256, 1), 16))
+    has_gate = gate is not None
+    mask = row_mask.view(torch.uint8) if has_gate else x
+    _rms_norm_kernel[(n,)](x, res, weight, out, gate if has_gate else x, mask, h, x.stride(0),
+                           res.stride(0), out.stride(0), mask.stride(0) if has_gate else 0,
+                           eps, HAS_RESIDUAL=residual is not None, HAS_GATE=has_gate,
+                           BLOCK=block, num_warps=min(max(block // 256, 1), 16))
+    return out
+
+
+@triton.jit
+def _gate_rows_kernel(x_ptr, gate_ptr, mask_ptr, out_ptr, n_cols, x_stride, out_stride,
+                      mask_stride, BLOCK: tl.constexpr):
+    row = tl.program_id(0)
+    cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    m = cols < n_cols
+    x = tl.load(x_ptr + row * x_stride + cols, mask=m, other=0.0)
+    keep = tl.load(mask_ptr + row * mask_stride) != 0
+    g = tl.load(gate_ptr).to(tl.float32)
+    y = tl.where(keep, (g * x.to(tl.float32)).to(x.dtype), tl.zeros_like(x))
+    tl.store(out_ptr + row * out_stride + cols, y, mask=m)
+
+
+def gate_rows(x: torch.Tensor, gate: torch.Tensor, row_mask: torch.Tensor) -> torch.Tensor:
+    """gate * where(row_mask, x, 0) in one launch: x [N, H], gate [1], row_mask [N, 1]."""
+    n, h = x.shape
+    out = torch.empty_like(x)
+    mask = row_mask.view(torch.uint8)
+    block = 1024
+    _gate_rows_kernel[(n, triton.cdiv(h, block))](x, gate, mask, out, h, x.stride(0),
+                                                  out.stride(0), mask.stride(0), BLOCK=block)
     return out
 
 

@@ -30,12 +30,37 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
-        if x.is_cuda and x.dim() == 2 and x.stride(-1) == 1:
+        if x.is_cuda:
             from vllm.model_executor.layers.fused_kernels import rms_norm
 
+            if residual is None:  # per-head norms come as [T, H, D]: one launch for all
+                shape = x.shape
+                return rms_norm(x.reshape(-1, shape[-1]), self.weight, self.eps).view(shape)
             out = rms_norm(x, self.weight, self.eps, residual)
-            return out if residual is None else (out, residual)
+            return out, residual
         if residual is None:
             return rms_norm_ref(x, self.weight, self.eps)
         residual = residual + x
         return rms_norm_ref(residual, self.weight, self.eps), residual
+
+    def forward_gated(self, x: torch.Tensor, residual: torch.Tensor, gate: torch.Tensor,
+                      row_mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``residual += gate * where(row_mask, x, 0)``, then the norm of the residual (a
+        gated cross-attention branch joining the residual stream; one launch on CUDA)."""
+        if x.is_cuda:
+            from vllm.model_executor.layers.fused_kernels import rms_norm
+
+            out = rms_norm(x, self.weight, self.eps, residual, gate=gate, row_mask=row_mask)
+            return out, residual
+        return self.forward(masked_gate(x, gate, row_mask), residual)
+
+
+def masked_gate(x: torch.Tensor, gate: torch.Tensor, row_mask: torch.Tensor) -> torch.Tensor:
+    """``gate * where(row_mask, x, 0)`` (rows [T, H], gate [1], row_mask [T, 1] bool).
+
+    torch.where rather than a multiply by the mask, so a NaN in a masked row stays out."""
+    if x.is_cuda:
+        from vllm.model_executor.layers.fused_kernels import gate_rows
+
+        return gate_rows(x, gate, row_mask)
+    return gate * torch.where(row_mask, x, torch.zeros_like(x))

@@ -118,4 +118,5 @@ def get_model(spec: MllamaSpec, model_dir: Path | None, load_format: str, dtype:
         with torch.no_grad():
             load_weights(model, iterate_safetensors(files), source=str(model_dir))
         logger.info("Loaded %d safetensors file(s) from %s", len(files), model_dir)
+    model.post_load()
     return model

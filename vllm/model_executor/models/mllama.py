@@ -14,7 +14,7 @@ from torch import nn
 from vllm.attention.layer import Attention, CrossAttention
 from vllm.forward_context import get_attention_metadata
 from vllm.model_executor.layers.activation import SiluAndMul
-from vllm.model_executor.layers.layernorm import RMSNorm
+from vllm.model_executor.layers.layernorm import RMSNorm, masked_gate
 from vllm.model_executor.layers.linear import Linear, MergedLinear
 from vllm.model_executor.layers.rotary_embedding import RotaryEmbedding
 from vllm.model_executor.models.mllama_vision import MllamaVisionModel
@@ -109,21 +109,27 @@ class MllamaCrossAttentionDecoderLayer(nn.Module):
         self.mlp = LlamaMLP(spec)
         self.post_attention_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
         self.cross_attn_mlp_gate = nn.Parameter(torch.zeros(1), requires_grad=False)
+        # tanh of the gates, refreshed after loading (two fewer launches per layer and step).
+        self.register_buffer("gates_tanh", torch.zeros(2), persistent=False)
+
+    def refresh_gates(self) -> None:
+        with torch.no_grad():
+            self.gates_tanh.copy_(torch.cat((self.cross_attn_attn_gate.tanh(),
+                                             self.cross_attn_mlp_gate.tanh())))
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None,
                 vision: torch.Tensor | None,
                 row_mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        # row_mask: [T, 1] bool. torch.where, not a multiply: a NaN in a masked row stays out.
+        # row_mask: [T, 1] bool. Both branches are gated by tanh and zeroed (torch.where, so
+        # a NaN in a masked row stays out) for tokens that see no image.
         if residual is None:
             residual, h = x, self.input_layernorm(x)
         else:
             h, residual = self.input_layernorm(x, residual)
         h = self.cross_attn(h, vision)
-        h = self.cross_attn_attn_gate.tanh() * torch.where(row_mask, h, torch.zeros_like(h))
-        h, residual = self.post_attention_layernorm(h, residual)
-        h = self.mlp(h)
-        return self.cross_attn_mlp_gate.tanh() * torch.where(row_mask, h, torch.zeros_like(h)), \
-            residual
+        h, residual = self.post_attention_layernorm.forward_gated(
+            h, residual, self.gates_tanh[0:1], row_mask)
+        return masked_gate(self.mlp(h), self.gates_tanh[1:2], row_mask), residual
 
 
 class MllamaTextModel(nn.Module):
@@ -194,6 +200,12 @@ class MllamaForConditionalGeneration(nn.Module):
     def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
         """[N, H] -> float32 logits [N, vocab]."""
         return self.language_model.lm_head(hidden_states).float()
+
+    def post_load(self) -> None:
+        """Derived state computed once the weights are in place."""
+        for layer in self.language_model.model.layers:
+            if isinstance(layer, MllamaCrossAttentionDecoderLayer):
+                layer.refresh_gates()
 
     def attention_layers(self) -> tuple[list[Attention], list[CrossAttention]]:
         """Self and cross attention layers in layer order (the cache engine binds their pages)."""

@@ -48,12 +48,13 @@ class VisionAttention(nn.Module):
         q, k, v = self.qkv_proj.split(self.qkv_proj(x))
         q, k, v = (t.view(g, length, self.num_heads, self.head_dim).transpose(1, 2)
                    for t in (q, k, v))
-        if num_valid >= length:
-            out = _sdpa(q, k, v)
-        else:
-            out_valid = _sdpa(q[:, :, :num_valid], k, v)
-            out_pad = _sdpa(q[:, :, num_valid:], k[:, :, :num_valid], v[:, :, :num_valid])
-            out = torch.cat((out_valid, out_pad), dim=2)
+        # Valid queries see every key; padding queries see only valid keys. One maskless
+        # call computes the valid rows; the few padding rows are then redone over the
+        # valid keys (cheaper than splitting the big call and concatenating).
+        out = _sdpa(q, k, v)
+        if num_valid < length:
+            out[:, :, num_valid:] = _sdpa(q[:, :, num_valid:], k[:, :, :num_valid],
+                                          v[:, :, :num_valid])
         out = out.transpose(1, 2).reshape(g, length, -1)
         return self.o_proj(out)
 
