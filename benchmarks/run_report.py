@@ -198,6 +198,8 @@ def main() -> None:
     runner = llm.llm_engine.runner
     report["startup_s"] = time.perf_counter() - t0
     report["capture_s"] = runner.graphs.capture_time_s
+    vg = runner.vision_graphs
+    report["vision_capture_s"] = vg.capture_time_s if vg is not None else None
     report["graph_memory_gib"] = runner.graphs.graph_memory_bytes / (1 << 30)
     lo = runner.layout
     pages = llm.llm_engine.block_manager.pool.num_allocatable
@@ -272,7 +274,8 @@ def write_summary(report: dict, out: Path) -> None:
               f"{r['eager_ms']:.2f} | {r['host_ms_per_step']:.3f} | {r['tokens_per_s']:.0f} | "
               f"{r['achieved_tb_s']:.2f} |")
     print(json.dumps(summary, indent=1))
-    print(json.dumps({k: report[k] for k in ("startup_s", "capture_s", "graph_memory_gib",
+    print(json.dumps({k: report.get(k) for k in ("startup_s", "capture_s", "vision_capture_s",
+                                                 "graph_memory_gib",
                                              "kv_pages", "capacity_4tile_2k", "ttft")},
                      indent=1, default=str))
 

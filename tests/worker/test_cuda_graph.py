@@ -10,26 +10,12 @@ import numpy as np
 import pytest
 import torch
 from helpers.compare import check_logprobs_close, vllm_greedy
+from helpers.no_sync import NoHostSync
 from PIL import Image
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from vllm import LLM, SamplingParams
 
 DTYPE = "bfloat16" if torch.cuda.is_available() else "float32"
-aten = torch.ops.aten
-HOST_SYNC_OPS = {aten._local_scalar_dense.default, aten.nonzero.default,
-                 aten.is_nonzero.default, aten.item.default}
-
-
-class NoHostSync(TorchDispatchMode):
-    """Fails on any op that reads device data on the host (illegal during graph capture)."""
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if func in HOST_SYNC_OPS:
-            raise AssertionError(f"host-device synchronisation in a captured region: {func}")
-        return func(*args, **(kwargs or {}))
-
-
 def _image(w: int, h: int, seed: int) -> Image.Image:
     rng = np.random.default_rng(seed)
     return Image.fromarray(rng.integers(0, 256, (h, w, 3), dtype=np.uint8))

@@ -101,7 +101,29 @@ class ModelRunner:
         self.cache_engine: CacheEngine | None = None
         self.rows: DecodeRows | None = None
         self.graphs = None  # DecodeGraphRunner, when not enforce_eager
+        self.vision_graphs = None  # VisionGraphRunner, on CUDA when not enforce_eager
         self.stats = RunnerStats()
+        if self.device.type == "cuda" and not mc.enforce_eager:
+            self._capture_vision()
+
+    def _capture_vision(self) -> None:
+        """Before the memory profile, so the graphs' memory is accounted for."""
+        from vllm.worker.vision_graph import VisionGraphRunner
+
+        graphs = VisionGraphRunner(self.model, self.device)
+        try:
+            graphs.capture()
+        except RuntimeError as e:  # e.g. an attention back-end that cannot be captured
+            logger.warning("Vision tower runs eagerly: capture failed (%s)", e)
+            torch.cuda.synchronize()
+            return
+        self.vision_graphs = graphs
+
+    def encode_images(self, pixel_values: torch.Tensor, aspect_ratio_ids: torch.Tensor,
+                      num_tiles: list[int]) -> torch.Tensor:
+        if self.vision_graphs is not None:
+            return self.vision_graphs.encode(pixel_values, aspect_ratio_ids, num_tiles)
+        return self.model.encode_images(pixel_values, aspect_ratio_ids, num_tiles)
 
     # ------------------------------------------------------------------ set-up
     @property
@@ -173,8 +195,8 @@ class ModelRunner:
         batch = build_prefill_batch(items, lo.block_size, lo.cross_block_size, self.device)
         vision = None
         if batch.pixel_values is not None:
-            vision = self.model.encode_images(batch.pixel_values, batch.aspect_ratio_ids,
-                                              batch.num_tiles)
+            vision = self.encode_images(batch.pixel_values, batch.aspect_ratio_ids,
+                                        batch.num_tiles)
         with set_forward_context(batch.metadata):
             hidden = self.model(batch.input_ids, batch.positions, vision)
         result = StepOutput(seqs=[], token_ids=[])

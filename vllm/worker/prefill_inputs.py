@@ -42,8 +42,11 @@ class PrefillBatch:
     num_tiles: list[int]
 
 
-def _slots(table: list[int], start: int, count: int, page: int) -> list[int]:
-    return [table[i // page] * page + i % page for i in range(start, start + count)]
+def _slots(table: list[int], count: int, page: int) -> torch.Tensor:
+    """Slots of positions 0..count-1 through a page table (vectorised: vision groups are
+    thousands of tokens)."""
+    pages = torch.tensor(table[:-(-count // page)], dtype=torch.int64)
+    return (pages[:, None] * page + torch.arange(page)).flatten()[:count]
 
 
 def _pad_tables(tables: list[list[int]], width: int) -> torch.Tensor:
@@ -58,11 +61,11 @@ def build_prefill_batch(items: list[PrefillItem], block_size: int, cross_block_s
                         device: torch.device) -> PrefillBatch:
     ids: list[int] = []
     positions: list[int] = []
-    slots: list[int] = []
+    slots: list[torch.Tensor] = []
     ranges: list[tuple[int, int]] = []
     runs: list[tuple[int, int, int, int]] = []
-    cross_src: list[int] = []
-    cross_slots: list[int] = []
+    cross_src: list[torch.Tensor] = []
+    cross_slots: list[torch.Tensor] = []
     pixel, ar_ids, num_tiles = [], [], []
     vision_base: dict[object, int] = {}
     n_vision = 0
@@ -72,7 +75,8 @@ def build_prefill_batch(items: list[PrefillItem], block_size: int, cross_block_s
         t0 = len(ids)
         ids += item.token_ids
         positions += range(n)
-        slots += _slots(item.block_table, 0, n, block_size) if item.block_table else [-1] * n
+        slots.append(_slots(item.block_table, n, block_size) if item.block_table
+                     else torch.full((n,), -1, dtype=torch.int64))
         seq_lens.append(n)
         base = vision_base.get(item.vision_key)
         if base is None and inp.images is not None:
@@ -98,8 +102,8 @@ def build_prefill_batch(items: list[PrefillItem], block_size: int, cross_block_s
         enc_lens.append(enc_len)
         if item.write_cross and enc_len > 0:
             c0, c1 = inp.cached_vision_range
-            cross_src += range(base + c0, base + c1)
-            cross_slots += _slots(item.cross_block_table, 0, enc_len, cross_block_size)
+            cross_src.append(torch.arange(base + c0, base + c1))
+            cross_slots.append(_slots(item.cross_block_table, enc_len, cross_block_size))
     starts = [0]
     for n in seq_lens:
         starts.append(starts[-1] + n)
@@ -111,7 +115,7 @@ def build_prefill_batch(items: list[PrefillItem], block_size: int, cross_block_s
         is_prefill=True,
         num_seqs=len(items),
         num_tokens=len(ids),
-        slot_mapping=t(slots),
+        slot_mapping=t(torch.cat(slots)),
         seq_lens_tensor=t(seq_lens, torch.int32),
         max_seq_len=max(seq_lens),
         block_tables=torch.zeros(len(items), 1, dtype=torch.int32, device=device),  # unused
@@ -124,8 +128,8 @@ def build_prefill_batch(items: list[PrefillItem], block_size: int, cross_block_s
                                        max(len(i.cross_block_table) for i in items)).to(device),
         cross_kv_ranges=t(ranges, torch.int32).view(-1, 2),
         cross_range_runs=runs,
-        cross_cache_src=t(cross_src) if cross_src else None,
-        cross_slot_mapping=t(cross_slots) if cross_slots else None,
+        cross_cache_src=t(torch.cat(cross_src)) if cross_src else None,
+        cross_slot_mapping=t(torch.cat(cross_slots)) if cross_slots else None,
     )
     return PrefillBatch(
         input_ids=t(ids),

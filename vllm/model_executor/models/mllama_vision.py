@@ -138,11 +138,13 @@ class PositionEmbedding(nn.Module):
 
 def _valid_first_order(num_tiles: int, max_tiles: int, tokens: int, padded: int,
                        device: torch.device) -> torch.Tensor:
-    """Token order putting the valid tokens of the first ``num_tiles`` tiles first."""
-    idx = torch.arange(max_tiles * padded, device=device).view(max_tiles, padded)
-    valid = torch.zeros(max_tiles, padded, dtype=torch.bool, device=device)
-    valid[:num_tiles, :tokens] = True
-    return torch.cat((idx[valid], idx[~valid]))
+    """Token order putting the valid tokens of the first ``num_tiles`` tiles first.
+
+    Built on the device without a boolean index (no host sync), so it can be captured."""
+    idx = torch.arange(max_tiles * padded, device=device)
+    tile = torch.div(idx, padded, rounding_mode="floor")
+    valid = (tile < num_tiles) & (idx - tile * padded < tokens)
+    return torch.argsort((~valid).to(torch.int8), stable=True)
 
 
 class MllamaVisionModel(nn.Module):
@@ -207,6 +209,9 @@ class MllamaVisionModel(nn.Module):
         """pixel_values [N, max_tiles, C, S, S], aspect_ratio_ids [N], host tile counts ->
         packed valid tokens of all images in order, [sum(num_tiles) * P, vision_output_dim]."""
         x = self._embed(pixel_values, aspect_ratio_ids)
+        if len(set(num_tiles)) == 1:  # one group: no gather (and no host copy to capture)
+            encoded = self._encode_group(x, aspect_ratio_ids, num_tiles[0])
+            return encoded.reshape(-1, encoded.shape[-1])
         outputs: list[torch.Tensor | None] = [None] * len(num_tiles)
         for nt in sorted(set(num_tiles)):
             members = [i for i, n in enumerate(num_tiles) if n == nt]
