@@ -60,7 +60,8 @@ class LLMEngine:
         self.runner.initialize_cache(num_pages)
         self.input_processor = MllamaInputProcessor(
             mc.spec, self.tokenizer, get_image_processor(mc.model_path),
-            mc.limit_images_per_prompt, config.model_config.max_model_len)
+            mc.limit_images_per_prompt, config.model_config.max_model_len,
+            pixel_dtype=mc.dtype, pin_memory=self.runner.device.type == "cuda")
         lo = self.runner.layout
         self.block_manager = BlockManager(num_pages, lo.block_size, lo.cross_block_size)
         self.scheduler = Scheduler(config.scheduler_config, self.block_manager,

@@ -10,6 +10,8 @@ Security rules for URLs a client names (the server fetches them on the client's 
   a private address; redirects are followed by hand and each hop is checked the same way.
 * Fetches have a timeout (env ``VLLM_IMAGE_FETCH_TIMEOUT``, 5 s) and a size cap (env
   ``VLLM_IMAGE_FETCH_MAX_BYTES``, 20 MiB), which also caps ``data:`` URLs.
+* Decoding reads the width and height from the image header first and refuses images over a
+  pixel limit (env ``VLLM_IMAGE_MAX_PIXELS``, 64 Mpx) before any pixel data is decoded.
 * ``file://`` URLs work only below ``--allowed-local-media-path``.
 
 Every failure is a ``ValueError`` whose message can be shown to the client.
@@ -33,6 +35,9 @@ import httpx
 
 DEFAULT_FETCH_TIMEOUT_S = 5.0
 DEFAULT_MAX_IMAGE_BYTES = 20 << 20
+# Far above what the model sees (at most 4 tiles of 560 x 560) and below Pillow's own
+# decompression-bomb error (2 x 89.5 Mpx), so our message is the one users get.
+DEFAULT_MAX_IMAGE_PIXELS = 64 << 20
 MAX_REDIRECTS = 3
 
 IPAddress = ipaddress.IPv4Address | ipaddress.IPv6Address
@@ -46,16 +51,53 @@ def _env_float(name: str, default: float) -> float:
         return default
 
 
-def decode_image(data: bytes) -> Any:
-    """Decodes image bytes into an RGB ``PIL.Image`` (CPU work: call it off the event loop)."""
+def max_image_pixels() -> int:
+    """The pixel limit per image: env ``VLLM_IMAGE_MAX_PIXELS`` or 64 Mpx."""
+    return int(_env_float("VLLM_IMAGE_MAX_PIXELS", DEFAULT_MAX_IMAGE_PIXELS))
+
+
+def _too_many_pixels(width: int, height: int, limit: int) -> ValueError:
+    return ValueError(
+        f"The image is too large: {width}x{height} = {width * height} pixels, more than the "
+        f"limit of {limit} pixels per image."
+    )
+
+
+def decode_image(data: bytes, max_pixels: int | None = None) -> Any:
+    """Decodes image bytes into an RGB ``PIL.Image`` (CPU work: call it off the event loop).
+
+    ``Image.open`` is lazy: it parses only the header, so the size check below runs before any
+    pixel data is decompressed (a 20k x 20k PNG of a few KiB is refused without allocating).
+    """
     from PIL import Image
 
+    limit = max_image_pixels() if max_pixels is None else max_pixels
+    if not data:
+        raise ValueError("Failed to load the image: the image data is empty.")
     try:
-        with Image.open(io.BytesIO(data)) as img:
+        img = Image.open(io.BytesIO(data))
+    except Image.DecompressionBombError as e:  # Pillow's own header check, above ours
+        raise ValueError(
+            f"The image is too large: {e} (this server's limit is {limit} pixels per image)."
+        ) from None
+    except Exception as e:  # PIL raises many types (OSError, SyntaxError, ...)
+        raise ValueError(f"Failed to load the image: {_pil_message(e)}") from None
+    with img:
+        width, height = img.size
+        if width * height > limit:
+            raise _too_many_pixels(width, height, limit)
+        try:
             img.load()
             return img.convert("RGB")
-    except Exception as e:  # PIL raises many types (OSError, SyntaxError, DecompressionBomb...)
-        raise ValueError(f"Failed to load the image: {e}") from None
+        except Exception as e:
+            raise ValueError(f"Failed to load the image: {_pil_message(e)}") from None
+
+
+def _pil_message(e: Exception) -> str:
+    """Pillow's message without the repr of our in-memory buffer."""
+    text = str(e)
+    cut = text.find(" <_io.BytesIO")
+    return text[:cut] if cut >= 0 else text
 
 
 def parse_data_url(url: str, max_bytes: int = DEFAULT_MAX_IMAGE_BYTES) -> bytes:
@@ -102,6 +144,7 @@ class ImageMediaConnector:
         allowed_hosts: Iterable[str] | None = None,
         timeout: float | None = None,
         max_bytes: int | None = None,
+        max_pixels: int | None = None,
     ) -> None:
         self.local_root = (
             Path(allowed_local_media_path).resolve() if allowed_local_media_path else None
@@ -124,6 +167,7 @@ class ImageMediaConnector:
             if max_bytes is not None
             else int(_env_float("VLLM_IMAGE_FETCH_MAX_BYTES", DEFAULT_MAX_IMAGE_BYTES))
         )
+        self.max_pixels = max_pixels if max_pixels is not None else max_image_pixels()
 
     # ------------------------------------------------------------------ policy
     def _host_allowed(self, host: str, ip: IPAddress) -> bool:
@@ -243,7 +287,7 @@ class ImageMediaConnector:
     async def fetch_image_async(self, url: str) -> Any:
         """Fetches and decodes one image; decoding runs in a worker thread."""
         data = await self.fetch_bytes_async(url)
-        return await asyncio.to_thread(decode_image, data)
+        return await asyncio.to_thread(decode_image, data, self.max_pixels)
 
     # ------------------------------------------------------------------ blocking
     def fetch_bytes(self, url: str) -> bytes:
@@ -283,4 +327,4 @@ class ImageMediaConnector:
         raise ValueError(f"Too many redirects fetching image from {url}.")
 
     def fetch_image(self, url: str) -> Any:
-        return decode_image(self.fetch_bytes(url))
+        return decode_image(self.fetch_bytes(url), self.max_pixels)

@@ -91,18 +91,26 @@ class MllamaInputProcessor:
     """Tokenises prompts, processes images and validates the pair against the model."""
 
     def __init__(self, spec: MllamaSpec, tokenizer: Any, image_processor: Any,
-                 limit_images: int, max_model_len: int) -> None:
+                 limit_images: int, max_model_len: int,
+                 pixel_dtype: torch.dtype = torch.float32, pin_memory: bool = False) -> None:
         self.spec = spec
         self.tokenizer = tokenizer
         self.image_processor = image_processor
         self.limit_images = limit_images
         self.max_model_len = max_model_len
+        # Pixels leave here in the model's dtype and, on CUDA, in pinned memory: the cast and
+        # the pinning happen in the input-processing thread, off the step's critical path.
+        self.pixel_dtype = pixel_dtype
+        self.pin_memory = pin_memory
 
     def process_images(self, images: Sequence[Any]) -> ImageInputs:
         out = self.image_processor(images=[list(images)], return_tensors="pt")
         num_tiles = [int(n) for n in out["num_tiles"][0]]
+        pixels = out["pixel_values"][0].to(self.pixel_dtype)
+        if self.pin_memory:
+            pixels = pixels.pin_memory()
         return ImageInputs(
-            pixel_values=out["pixel_values"][0].float(),
+            pixel_values=pixels,
             aspect_ratio_ids=out["aspect_ratio_ids"][0].long(),
             num_tiles=num_tiles,
         )

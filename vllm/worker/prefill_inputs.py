@@ -49,6 +49,15 @@ def _slots(table: list[int], count: int, page: int) -> torch.Tensor:
     return (pages[:, None] * page + torch.arange(page)).flatten()[:count]
 
 
+def _pixels_to(pixels: list[torch.Tensor], device: torch.device) -> torch.Tensor | None:
+    """Concatenated pixels on the device; one image (pinned by the input processor) goes
+    straight across."""
+    if not pixels:
+        return None
+    cpu = pixels[0] if len(pixels) == 1 else torch.cat(pixels)
+    return to_device(cpu, cpu.dtype, device)
+
+
 def _pad_tables(tables: list[list[int]], width: int) -> torch.Tensor:
     out = torch.zeros(len(tables), max(width, 1), dtype=torch.int32)
     for i, t in enumerate(tables):
@@ -136,7 +145,7 @@ def build_prefill_batch(items: list[PrefillItem], block_size: int, cross_block_s
         positions=t(positions),
         metadata=md,
         logits_indices=t([s - 1 for s in starts[1:]]),
-        pixel_values=to_device(torch.cat(pixel), torch.float32, device) if pixel else None,
+        pixel_values=_pixels_to(pixel, device),
         aspect_ratio_ids=to_device(torch.cat(ar_ids), torch.int64, device) if ar_ids else None,
         num_tiles=num_tiles,
     )

@@ -4,19 +4,30 @@
 engine; each has its own metrics registry); ``run_server(args)`` reserves the port, builds the
 engine and serves until interrupted. Run it as ``vllm serve MODEL`` or
 ``python -m vllm.entrypoints.openai.api_server --model MODEL``.
+
+Shutdown (SIGTERM or Ctrl-C): the listening socket closes at once; in-flight requests get
+``--shutdown-timeout`` seconds (default 0) to finish, then the engine stops and the rest end
+with a clean error (a 500 body, or an in-band SSE error followed by ``[DONE]``); the process
+then exits with status 0. Request bodies over ``--max-request-body-bytes`` get a 413.
 """
 
 from __future__ import annotations
 
 import argparse
+import asyncio
 import hmac
+import os
+import signal
 import socket
 import sys
+import threading
 from typing import Any
 
+import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.middleware.cors import CORSMiddleware
+from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.responses import JSONResponse, Response
 from starlette.types import ASGIApp, Receive, Scope, Send
 
@@ -48,6 +59,8 @@ from vllm.version import __version__
 
 logger = init_logger("vllm.entrypoints.openai.api_server")
 
+DEFAULT_MAX_REQUEST_BODY_BYTES = 32 << 20  # a 20 MiB image as base64, with room to spare
+
 
 class APIKeyMiddleware:
     """Requires ``Authorization: Bearer <key>`` on ``/v1/*`` (health and metrics stay open).
@@ -78,6 +91,53 @@ class APIKeyMiddleware:
         await JSONResponse({"error": "Unauthorized"}, status_code=401)(scope, receive, send)
 
 
+class BodySizeLimitMiddleware:
+    """Answers 413 to a request whose body is over ``max_bytes``: from ``Content-Length``
+    before reading any of it, or while buffering a chunked body (which is then replayed)."""
+
+    def __init__(self, app: ASGIApp, max_bytes: int) -> None:
+        self.app = app
+        self.max_bytes = max_bytes
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        headers = dict(scope.get("headers", []))
+        length = headers.get(b"content-length")
+        if length is not None:
+            if length.isdigit() and int(length) > self.max_bytes:
+                return await self._reject(scope, receive, send, f"{int(length)} bytes")
+            return await self.app(scope, receive, send)
+        if b"chunked" not in headers.get(b"transfer-encoding", b"").lower():
+            return await self.app(scope, receive, send)
+        chunks, total = [], 0
+        while True:
+            message = await receive()
+            if message["type"] != "http.request":
+                return  # the client went away before sending its body
+            chunks.append(message.get("body", b""))
+            total += len(chunks[-1])
+            if total > self.max_bytes:
+                return await self._reject(scope, receive, send, f"over {self.max_bytes} bytes")
+            if not message.get("more_body", False):
+                break
+        pending = [{"type": "http.request", "body": b"".join(chunks), "more_body": False}]
+
+        async def replay() -> Any:
+            return pending.pop() if pending else await receive()
+
+        await self.app(scope, replay, send)
+
+    async def _reject(self, scope: Scope, receive: Receive, send: Send, size: str) -> None:
+        message = (
+            f"The request body is too large ({size}); the limit is {self.max_bytes} bytes "
+            "(--max-request-body-bytes)."
+        )
+        body = error_body(message, "RequestTooLargeError", 413)
+        response = JSONResponse(body, 413, headers={"Connection": "close"})
+        await response(scope, receive, send)
+
+
 def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
     parts, param = [], None
     for err in exc.errors():
@@ -89,11 +149,25 @@ def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
     return "; ".join(parts) or "Invalid request.", param
 
 
+_HTTP_ERROR_TYPES = {404: "NotFoundError", 405: "MethodNotAllowedError"}
+
+
 def _add_exception_handlers(app: FastAPI) -> None:
     @app.exception_handler(RequestValidationError)
     async def on_validation(_: Request, exc: RequestValidationError) -> JSONResponse:
         message, param = _validation_message(exc)  # 400 like vLLM, not FastAPI's 422
         return JSONResponse(error_body(message, "BadRequestError", 400, param), 400)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def on_http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:
+        message, cause = str(exc.detail), exc.__cause__
+        if isinstance(cause, UnicodeDecodeError):
+            message = f"The request body is not valid UTF-8 ({cause})."
+        elif cause is not None:
+            message = f"{message}: {cause}"
+        err_type = _HTTP_ERROR_TYPES.get(exc.status_code, "BadRequestError")
+        body = error_body(message, err_type, exc.status_code)
+        return JSONResponse(body, exc.status_code, headers=exc.headers)
 
     @app.exception_handler(OpenAIServingError)
     async def on_serving_error(_: Request, exc: OpenAIServingError) -> JSONResponse:
@@ -191,6 +265,7 @@ def build_app(args: argparse.Namespace, engine: AsyncLLMEngine) -> FastAPI:
     app.state.ctx = ctx
     _add_exception_handlers(app)
     _add_routes(app, ctx)
+    app.add_middleware(BodySizeLimitMiddleware, max_bytes=max_request_body_bytes(args))
     api_key = args.api_key
     if api_key:
         app.add_middleware(APIKeyMiddleware, api_key=api_key)
@@ -202,6 +277,66 @@ def build_app(args: argparse.Namespace, engine: AsyncLLMEngine) -> FastAPI:
         allow_headers=args.allowed_headers,
     )
     return app
+
+
+def max_request_body_bytes(args: argparse.Namespace) -> int:
+    """The flag, else env ``VLLM_MAX_REQUEST_BODY_BYTES``, else 32 MiB (raises ValueError)."""
+    value = getattr(args, "max_request_body_bytes", None)
+    if value is None:
+        value = int(os.environ.get("VLLM_MAX_REQUEST_BODY_BYTES", DEFAULT_MAX_REQUEST_BODY_BYTES))
+    if value <= 0:
+        raise ValueError(f"--max-request-body-bytes must be positive, got {value}")
+    return value
+
+
+class DrainingServer(uvicorn.Server):
+    """uvicorn's server, whose shutdown stops the engine after ``shutdown_timeout`` seconds so
+    that requests still running then end with an error instead of holding up the exit."""
+
+    def __init__(self, config: uvicorn.Config, engine: AsyncLLMEngine, shutdown_timeout: float):
+        super().__init__(config)
+        self.engine = engine
+        self.shutdown_timeout = shutdown_timeout
+
+    async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
+        logger.info(
+            "Shutting down: %d open connection(s) get %g s to finish",
+            len(self.server_state.connections),
+            self.shutdown_timeout,
+        )
+        timer = asyncio.get_running_loop().call_later(self.shutdown_timeout, self._stop_engine)
+        try:
+            await super().shutdown(sockets)
+        finally:
+            timer.cancel()
+
+    def _stop_engine(self) -> None:
+        """Stops the engine off the event loop (pending requests get EngineDeadError)."""
+        if self.engine.is_running:
+            logger.info("Aborting the requests still running.")
+            threading.Thread(target=self.engine.shutdown, name="vllm-shutdown", daemon=True).start()
+
+
+def _serve(server: uvicorn.Server, sock: socket.socket) -> None:
+    """Runs uvicorn; a SIGTERM ends it like Ctrl-C does, with exit status 0.
+
+    uvicorn re-raises the signal that stopped it once it has shut down; for SIGTERM that would
+    kill the process (status -15) before the engine is stopped, so a handler that only notes
+    it is installed for the duration.
+    """
+    in_main = threading.current_thread() is threading.main_thread()
+    previous = signal.signal(signal.SIGTERM, _note_sigterm) if in_main else None
+    try:
+        server.run(sockets=[sock])
+    except KeyboardInterrupt:  # uvicorn re-raises the SIGINT it handled: a clean stop
+        logger.info("Server stopped.")
+    finally:
+        if in_main:
+            signal.signal(signal.SIGTERM, previous)
+
+
+def _note_sigterm(signum: int, frame: Any) -> None:
+    logger.info("Server stopped (SIGTERM).")
 
 
 def create_server_socket(host: str | None, port: int) -> socket.socket:
@@ -222,14 +357,16 @@ def create_server_socket(host: str | None, port: int) -> socket.socket:
 
 def run_server(args: argparse.Namespace) -> None:
     """Validates the flags, reserves the port, builds the engine and serves until stopped."""
-    import uvicorn
-
     from vllm.engine.arg_utils import EngineArgs
 
     try:
         validate_parsed_serve_args(args)
         load_chat_template(args.chat_template)
         ImageMediaConnector(args.allowed_local_media_path, args.allowed_image_hosts)
+        max_request_body_bytes(args)
+        shutdown_timeout = float(getattr(args, "shutdown_timeout", 0.0) or 0.0)
+        if shutdown_timeout < 0:
+            raise ValueError(f"--shutdown-timeout must be >= 0, got {shutdown_timeout}")
         engine_args = EngineArgs.from_cli_args(args)
     except ValueError as e:
         raise SystemExit(f"Error: {e}") from None
@@ -248,6 +385,8 @@ def run_server(args: argparse.Namespace) -> None:
             timeout_keep_alive=5,
             ssl_keyfile=args.ssl_keyfile,
             ssl_certfile=args.ssl_certfile,
+            # A backstop: after the engine stops, responses end within moments.
+            timeout_graceful_shutdown=shutdown_timeout + 10,
         )
         scheme = "https" if args.ssl_certfile else "http"
         logger.info(
@@ -257,10 +396,7 @@ def run_server(args: argparse.Namespace) -> None:
             args.host or "0.0.0.0",
             sock.getsockname()[1],
         )
-        try:
-            uvicorn.Server(config).run(sockets=[sock])
-        except KeyboardInterrupt:  # uvicorn re-raises the SIGINT it handled: a clean stop
-            logger.info("Server stopped.")
+        _serve(DrainingServer(config, engine, shutdown_timeout), sock)
     finally:
         engine.shutdown()
         sock.close()
@@ -268,12 +404,14 @@ def run_server(args: argparse.Namespace) -> None:
 
 def main(argv: list[str] | None = None) -> None:
     from vllm.engine.cli_args import FlexibleArgumentParser
+    from vllm.entrypoints.cli.serve import add_server_limit_args
 
     parser = FlexibleArgumentParser(
         prog="python -m vllm.entrypoints.openai.api_server",
         description="vLLM-compatible OpenAI API server for Llama 3.2 Vision.",
     )
     make_arg_parser(parser, positional_model=False)
+    add_server_limit_args(parser)
     run_server(parser.parse_args(sys.argv[1:] if argv is None else argv))
 
 

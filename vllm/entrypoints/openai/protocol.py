@@ -14,6 +14,10 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
+# Stop strings are matched against the new text after every token, so their number and size
+# bound per-token work: a request may name at most this many, of at most this many characters.
+MAX_STOP_STRINGS = 64
+MAX_STOP_CHARS = 4096
 
 # Request fields copied to SamplingParams under the same name when the client sent them.
 SAMPLING_FIELDS = (
@@ -133,6 +137,21 @@ class _SamplingRequest(OpenAIBaseModel):
     def _check_stream_options(self) -> _SamplingRequest:
         if self.stream_options is not None and not self.stream:
             raise ValueError("Stream options can only be defined when `stream=True`.")
+        return self
+
+    @model_validator(mode="after")
+    def _check_stop_limits(self) -> _SamplingRequest:
+        stops = [self.stop] if isinstance(self.stop, str) else (self.stop or [])
+        if len(stops) > MAX_STOP_STRINGS:
+            raise ValueError(
+                f"`stop` has {len(stops)} strings; at most {MAX_STOP_STRINGS} are allowed."
+            )
+        total = sum(len(s) for s in stops)
+        if total > MAX_STOP_CHARS:
+            raise ValueError(
+                f"`stop` strings have {total} characters in total; at most {MAX_STOP_CHARS} "
+                "are allowed."
+            )
         return self
 
     def sampling_kwargs(self) -> dict[str, Any]:
@@ -312,6 +331,11 @@ class CompletionLogProbs(BaseModel):
     token_logprobs: list[float | None] = Field(default_factory=list)
     tokens: list[str] = Field(default_factory=list)
     top_logprobs: list[dict[str, float] | None] = Field(default_factory=list)
+
+    def model_post_init(self, context: Any, /) -> None:
+        # The lists are filled in place after construction; count them as set so that stream
+        # chunks (dumped with ``exclude_unset``) keep them instead of sending ``{}``.
+        self.__pydantic_fields_set__.update(type(self).model_fields)
 
 
 class CompletionResponseChoice(BaseModel):

@@ -15,9 +15,13 @@ from typing import Any
 
 from starlette.requests import Request
 
-from vllm.engine.async_llm_engine import AsyncLLMEngine
+from vllm.engine.async_llm_engine import AsyncLLMEngine, EngineDeadError
 from vllm.entrypoints.openai.metrics import ServerMetrics
-from vllm.entrypoints.openai.protocol import OpenAIBaseModel
+from vllm.entrypoints.openai.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    OpenAIBaseModel,
+)
 from vllm.entrypoints.openai.streaming import wait_for_disconnect
 from vllm.logger import init_logger
 from vllm.multimodal.image import ImageMediaConnector
@@ -111,7 +115,13 @@ class OpenAIServing:
         return requested
 
     def check_request(self, request: OpenAIBaseModel) -> str:
-        """Model name, unsupported features and ignored fields; returns the model name."""
+        """Model name, unsupported features and ignored fields; returns the model name.
+
+        A dead engine fails a generation request here (500), before a stream could send its
+        200 header; tokenization does not need the engine loop.
+        """
+        if isinstance(request, (ChatCompletionRequest, CompletionRequest)):
+            self.check_engine_alive()
         name = self.model_name(getattr(request, "model", None))
         unsupported = getattr(request, "unsupported_feature", lambda: None)()
         if unsupported:
@@ -122,6 +132,14 @@ class OpenAIServing:
                 "The following fields were present in the request but ignored: %s", ignored
             )
         return name
+
+    def check_engine_alive(self) -> None:
+        """Raises :class:`EngineDeadError` (a 500) when the engine loop is not running."""
+        if not self.engine.is_running:
+            dead = self.engine.dead_error
+            raise EngineDeadError(
+                f"engine loop died: {dead!r}" if dead is not None else "engine loop is not running"
+            )
 
     def check_length(self, num_prompt_tokens: int, max_tokens: int | None) -> None:
         """vLLM's context-length errors (the prompt is the decoder prompt, see usage)."""
@@ -179,7 +197,24 @@ class OpenAIServing:
         max_seqs = self.engine.config.scheduler_config.max_num_seqs
         if params.n > max_seqs:  # the scheduler's own check, but before a stream starts
             raise bad_request(f"n={params.n} exceeds max_num_seqs ({max_seqs}).", "n")
+        self._check_token_ids(params)
         return params
+
+    def _check_token_ids(self, params: SamplingParams) -> None:
+        """Token ids the sampler indexes with: out of the vocabulary they would fail a whole
+        batched step (every request in it), so they are refused here with a 400."""
+        vocab = self.engine.config.model_config.spec.text.vocab_size
+        for name, ids in (
+            ("logit_bias", list(params.logit_bias or {})),
+            ("allowed_token_ids", list(params.allowed_token_ids or [])),
+        ):
+            bad = [t for t in ids if not 0 <= int(t) < vocab]
+            if bad:
+                raise bad_request(
+                    f"{name} contains token id {bad[0]}, outside the vocabulary "
+                    f"(valid ids are 0..{vocab - 1}).",
+                    name,
+                )
 
     def log_request(
         self, request_id: str, prompt: str | None, token_ids: list[int], params: SamplingParams
