@@ -81,13 +81,17 @@ def profile_prefill_peak(runner) -> int:
 
 
 def decode_graph_reserve(config: VllmConfig) -> int:
-    """Bytes set aside for the decode graphs' shared pool: one step's activations at the
-    largest bucket (logits dominate), doubled, plus slack."""
+    """Bytes set aside for the decode graphs' shared pool, estimated for the largest bucket:
+    the shared fp32 logits buffer, one step's activations (logits twice: bf16 and fp32), the
+    decode attention's split-KV workspace, plus slack."""
     t = config.model_config.spec.text
-    bs = max(config.compilation_config.cuda_graph_sizes or (1,))
+    bs = max(max(config.compilation_config.cuda_graph_sizes or (1,)),
+             config.scheduler_config.max_num_seqs)
     elem = torch.empty((), dtype=config.model_config.dtype).element_size()
-    act = bs * (2 * t.intermediate_size + 6 * t.hidden_size) * elem + bs * t.vocab_size * 4
-    return 2 * act + (256 << 20)
+    act = bs * (2 * t.intermediate_size + 6 * t.hidden_size) * elem
+    logits = bs * t.vocab_size * (4 + 4 + elem)
+    workspace = bs * t.num_attention_heads * 64 * (t.head_dim + 2) * 4
+    return 2 * (act + workspace) + logits + (256 << 20)
 
 
 def determine_num_pages(runner) -> int:
