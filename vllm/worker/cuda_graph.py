@@ -81,7 +81,9 @@ class DecodeGraphRunner:
             return
         t0 = time.perf_counter()
         torch.cuda.synchronize()
-        mem0 = torch.cuda.memory_allocated()
+        # Reserved, not allocated: what a graph frees at the end of its capture stays
+        # reserved in its private pool. The shared logits buffer is counted separately.
+        mem0 = torch.cuda.memory_reserved() - self.static_logits.numel() * 4
         pool = torch.cuda.graph_pool_handle()
         self.static_rows.fill_(self.null_row)
         for bs in reversed(self.sizes):
@@ -95,7 +97,7 @@ class DecodeGraphRunner:
                 self.graphs[(family, bs)] = graph
         torch.cuda.synchronize()
         self.capture_time_s = time.perf_counter() - t0
-        self.graph_memory_bytes = torch.cuda.memory_allocated() - mem0
+        self.graph_memory_bytes = torch.cuda.memory_reserved() - mem0
         logger.info("Captured %d decode graphs (text + cross families, buckets %s) in %.1f s "
                     "using %.2f GiB", len(self.graphs), self.sizes, self.capture_time_s,
                     self.graph_memory_bytes / (1 << 30))

@@ -7,6 +7,7 @@ fields default to ``None`` here: only the fields a client actually sent reach
 
 from __future__ import annotations
 
+import re
 import time
 import uuid
 from typing import Any, Literal
@@ -58,10 +59,42 @@ def random_id(prefix: str) -> str:
     return f"{prefix}-{uuid.uuid4().hex}"
 
 
+# JSON may escape UTF-16 surrogates one by one ("\ud800"); alone they are not text, and the
+# tokenizer (or any UTF-8 encoder) fails on them deep inside a request.
+_LONE_SURROGATE = re.compile("[\ud800-\udfff]")
+
+
+def find_lone_surrogate(data: Any) -> str | None:
+    """The path of the first string (key or value) holding a lone surrogate, if any."""
+    stack: list[tuple[str, Any]] = [("", data)]
+    while stack:  # iterative: nesting depth is the client's choice
+        path, value = stack.pop()
+        if isinstance(value, str):
+            if _LONE_SURROGATE.search(value):
+                return path or "body"
+        elif isinstance(value, dict):
+            for k, v in value.items():
+                key = f"{path}.{k}" if path else str(k)
+                if isinstance(k, str) and _LONE_SURROGATE.search(k):
+                    return path or "body"
+                stack.append((key, v))
+        elif isinstance(value, list):
+            stack.extend((f"{path}[{i}]", v) for i, v in enumerate(value))
+    return None
+
+
 class OpenAIBaseModel(BaseModel):
     """Base of request bodies: unknown fields are kept (and reported by ``ignored_fields``)."""
 
     model_config = ConfigDict(extra="allow")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _reject_lone_surrogates(cls, data: Any) -> Any:
+        where = find_lone_surrogate(data)
+        if where is not None:
+            raise ValueError(f"{where}: contains a lone UTF-16 surrogate, which is not valid text.")
+        return data
 
     def ignored_fields(self) -> list[str]:
         return sorted(self.model_extra or {})
