@@ -162,6 +162,8 @@ class LLMEngine:
             if out is None:
                 return outputs
         self._release_preempted(out)
+        if out.num_seqs == 0:
+            return outputs  # everything running was preempted; the next step re-admits it
         now = time.time()
         for s in out.prefill_seqs:
             if s.request.first_scheduled_time is None:

@@ -108,16 +108,22 @@ def determine_num_pages(runner) -> int:
     total = torch.cuda.get_device_properties(runner.device).total_memory
     weights = torch.cuda.memory_allocated()
     peak = profile_prefill_peak(runner)
+    # Reserved memory after the profile (its cache emptied): weights, buffers and the vision
+    # graphs' private pool, which allocated-memory counters do not see.
+    resident = torch.cuda.memory_reserved()
+    activations = max(peak - weights, 0)
     graphs = 0 if cfg.model_config.enforce_eager else decode_graph_reserve(cfg)
-    budget = int(total * cfg.cache_config.gpu_memory_utilization) - peak - graphs
+    budget = (int(total * cfg.cache_config.gpu_memory_utilization) - resident - activations
+              - graphs)
     # Never more than the scheduler could ever fill (max_num_seqs full-length sequences).
     usable = cfg.scheduler_config.max_num_seqs * pages_per_seq(cfg, lo)
     num = min(max(budget // lo.page_bytes, 0), usable)
-    logger.info("Memory split (GiB): total %.2f x %.2f; weights %.2f; peak activations %.2f; "
-                "decode graphs reserved %.2f; KV pages %.2f (%d pages of %d KiB)",
+    logger.info("Memory split (GiB): total %.2f x %.2f; weights %.2f; other resident "
+                "(buffers, vision graphs) %.2f; peak activations %.2f; decode graphs "
+                "reserved %.2f; KV pages %.2f (%d pages of %d KiB)",
                 total / GiB, cfg.cache_config.gpu_memory_utilization, weights / GiB,
-                (peak - weights) / GiB, graphs / GiB, num * lo.page_bytes / GiB, num,
-                lo.page_bytes >> 10)
+                (resident - weights) / GiB, activations / GiB, graphs / GiB,
+                num * lo.page_bytes / GiB, num, lo.page_bytes >> 10)
     return num + 1
 
 
