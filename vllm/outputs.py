@@ -52,3 +52,6 @@ class RequestOutput:
     num_cached_tokens: int = 0
     lora_request: None = None
     num_images: int = field(default=0, repr=False)
+    # Set when this request failed inside the engine (its outputs end with "abort"); the
+    # other requests of the batch are unaffected.
+    error: BaseException | None = field(default=None, repr=False)

@@ -196,6 +196,10 @@ class Scheduler:
         out.decode_seqs = seqs
         return out
 
+    def preempt(self, request: Request) -> None:
+        """Frees a running request's pages and queues it for recomputation."""
+        self._preempt(request)
+
     def _preempt(self, request: Request) -> None:
         self.running.remove(request)
         for s in request.unfinished_seqs():

@@ -88,6 +88,7 @@ class Request:
     last_token_time: float | None = None
     finished_time: float | None = None
     num_preemptions: int = 0
+    error: BaseException | None = None  # set when the request failed inside the engine
 
     def unfinished_seqs(self) -> list[Sequence]:
         return [s for s in self.seqs if not s.status.finished]

@@ -187,7 +187,8 @@ class AsyncLLMEngine:
                 for out in engine.step():
                     stream = self._streams.get(out.request_id)
                     if stream is not None:
-                        stream.put(out)
+                        # A request that failed inside the engine fails alone.
+                        stream.put(out.error if out.error is not None else out)
         except BaseException as e:  # the loop itself failed: fail everyone, stay dead
             self.dead_error = e
             logger.error("Engine loop failed:\n%s", traceback.format_exc())

@@ -168,7 +168,12 @@ class LLMEngine:
         for s in out.prefill_seqs:
             if s.request.first_scheduled_time is None:
                 s.request.first_scheduled_time = now
-        handle = self.runner.launch(out)
+        try:
+            handle = self.runner.launch(out)
+        except Exception as e:  # attributed below, or re-raised
+            if self._pending is not None:
+                outputs += self._collect(self._take_pending())
+            return outputs + self._isolate_failure(out, e)
         for s in handle.result.seqs:
             s.inflight += 1
         previous, self._pending = self._pending, handle
@@ -178,6 +183,36 @@ class LLMEngine:
             outputs += self._collect(self._take_pending())
         self._maybe_log(out, handle.result)
         return outputs
+
+    def _isolate_failure(self, out: SchedulerOutput, error: Exception) -> list[RequestOutput]:
+        """A step failed. Requests whose own inputs make sampling fail are failed alone;
+        the rest of a failed prefill is preempted (recomputed later), the rest of a failed
+        decode simply runs again (the same positions are recomputed). Anything that cannot
+        be pinned on a request is an engine failure and is re-raised."""
+        seqs = out.prefill_seqs if out.is_prefill else out.decode_seqs
+        requests = list({id(s.request): s.request for s in seqs}.values())
+        guilty = []
+        for req in requests:
+            try:
+                self.runner.check_sampling(req.unfinished_seqs())
+            except Exception as e:  # this request cannot be sampled alone
+                guilty.append((req, e))
+        if not guilty:
+            raise error
+        failed_ids = {id(r) for r, _ in guilty}
+        if out.is_prefill:
+            for req in requests:
+                if id(req) not in failed_ids and req in self.scheduler.running:
+                    self.scheduler.preempt(req)
+                    for s in req.seqs:
+                        self.runner.release(s)
+        results = []
+        for req, e in guilty:
+            logger.error("Request %s failed in a step: %r", req.request_id, e)
+            req.error = e
+            results.append(self.output_processor.fail(req))
+            self.abort_request(req.request_id)
+        return results
 
     def _take_pending(self) -> StepHandle:
         handle, self._pending = self._pending, None

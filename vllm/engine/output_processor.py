@@ -47,6 +47,7 @@ class OutputProcessor:
     def process(self, result: Any, scheduler: Scheduler, runner: Any) -> list[RequestOutput]:
         now = time.time()
         touched: dict[str, Request] = {}
+        failed: list[tuple[Request, Exception]] = []
         for rid, (vals, ids, ranks) in result.prompt_logprobs.items():
             req = scheduler.requests.get(rid)
             if req is not None:
@@ -61,15 +62,34 @@ class OutputProcessor:
             if req.first_token_time is None:
                 req.first_token_time = now
             req.last_token_time = now
-            if result.logprobs is not None and req.params.logprobs is not None:
-                self._append_logprobs(seq, result, i)
-            status = self._check_stop(seq)
+            try:
+                if result.logprobs is not None and req.params.logprobs is not None:
+                    self._append_logprobs(seq, result, i)
+                status = self._check_stop(seq)
+            except Exception as e:  # fail this request, not the engine
+                failed.append((req, e))
+                continue
             if status is not None:
                 scheduler.finish_seq(seq, status)
                 runner.release(seq)
+        for req, e in failed:
+            req.error = e
+            for s in req.seqs:
+                if not s.status.finished:
+                    scheduler.finish_seq(s, SequenceStatus.FINISHED_ABORTED)
+                    runner.release(s)
         for req in scheduler.release_finished():
             req.finished_time = now
         return [o for req in touched.values() if (o := self._output(req)) is not None]
+
+    def fail(self, request: Request) -> RequestOutput:
+        """The final output of a request that failed inside the engine."""
+        for s in request.seqs:
+            if not s.status.finished:
+                s.status = SequenceStatus.FINISHED_ABORTED
+        out = self._output(request, force=True)
+        assert out is not None
+        return out
 
     def _append_logprobs(self, seq: Sequence, result: Any, i: int) -> None:
         k = seq.request.params.logprobs
@@ -135,9 +155,9 @@ class OutputProcessor:
             logprobs=logprobs, finish_reason=seq.status.finish_reason,
             stop_reason=seq.stop_reason)
 
-    def _output(self, req: Request) -> RequestOutput | None:
+    def _output(self, req: Request, force: bool = False) -> RequestOutput | None:
         kind = req.params.output_kind
-        finished = req.finished
+        finished = req.finished or force
         if kind == RequestOutputKind.FINAL_ONLY and not finished:
             return None
         seqs = sorted(req.seqs, key=lambda s: s.index)
@@ -147,7 +167,7 @@ class OutputProcessor:
             prompt_logprobs=req.prompt_logprobs,
             outputs=[self._completion(s, kind == RequestOutputKind.DELTA) for s in seqs],
             finished=finished, metrics=self._metrics(req), num_images=req.inputs.num_images,
-            encoder_prompt_token_ids=None)
+            encoder_prompt_token_ids=None, error=req.error)
         if finished:
             self.forget(req)
         return out

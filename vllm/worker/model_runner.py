@@ -169,6 +169,10 @@ class ModelRunner:
             self.rows.release(seq.row)
             seq.row = -1
 
+    def check_sampling(self, seqs: list[Sequence]) -> None:
+        """Builds the sampling inputs of some sequences alone (raises what a step would)."""
+        self._sampling_rows(seqs)
+
     def _sampling_rows(self, seqs: list[Sequence]) -> SamplingMetadata:
         rows = []
         for s in seqs:
