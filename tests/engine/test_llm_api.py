@@ -161,3 +161,22 @@ def test_n_and_order_and_errors(llm: LLM) -> None:
 def test_default_params_use_generation_config(llm: LLM) -> None:
     p = llm.get_default_sampling_params()
     assert p.temperature == pytest.approx(0.6) and p.top_p == pytest.approx(0.9)
+
+
+def test_prompt_logprobs_with_an_image_token(llm: LLM) -> None:
+    """The image token is outside the vocabulary: its position has no logprob."""
+    params = SamplingParams(temperature=0, max_tokens=2, prompt_logprobs=1)
+    (out,) = llm.generate({"prompt": "Look <|image|> here",
+                           "multi_modal_data": {"image": _image(3)}}, params, use_tqdm=False)
+    image_id = llm.llm_engine.config.model_config.spec.image_token_id
+    pos = out.prompt_token_ids.index(image_id)
+    assert out.prompt_logprobs[pos] is None
+    assert out.prompt_logprobs[pos + 1] is not None
+
+
+def test_token_options_outside_the_vocabulary_are_rejected(llm: LLM) -> None:
+    for bad in (SamplingParams(allowed_token_ids=[5, 600]), SamplingParams(logit_bias={600: 1.0}),
+                SamplingParams(stop_token_ids=[9999])):
+        with pytest.raises(ValueError, match="outside the vocabulary"):
+            llm.generate("x", bad, use_tqdm=False)
+    assert not llm.llm_engine.has_unfinished_requests()

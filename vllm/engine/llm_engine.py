@@ -122,9 +122,17 @@ class LLMEngine:
                 raise ValueError(f"Requested {name}={value} exceeds the maximum of {cap} "
                                  "(--max-logprobs).")
         vocab = self.config.model_config.spec.text.vocab_size
-        for t in params.stop_token_ids or []:
-            if not 0 <= t < vocab:
-                raise ValueError(f"stop_token_ids contains {t}, outside the vocabulary")
+        for name, ids in (("stop_token_ids", params.stop_token_ids or []),
+                          ("allowed_token_ids", params.allowed_token_ids or []),
+                          ("logit_bias", list((params.logit_bias or {}).keys()))):
+            for t in ids:
+                if not 0 <= int(t) < vocab:
+                    raise ValueError(f"{name} contains token id {t}, outside the vocabulary "
+                                     f"(0..{vocab - 1})")
+        allowed = set(params.allowed_token_ids or [])
+        if allowed and params.min_tokens and allowed <= set(params.all_stop_token_ids):
+            raise ValueError("allowed_token_ids holds only stop tokens, which min_tokens "
+                             "suppresses: no token could be sampled")
 
     def abort_request(self, request_ids: str | Iterable[str]) -> None:
         ids = [request_ids] if isinstance(request_ids, str) else list(request_ids)

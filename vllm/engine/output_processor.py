@@ -110,6 +110,9 @@ class OutputProcessor:
         k = req.params.prompt_logprobs
         out: list = [None]
         for t in range(len(vals)):
+            if ranks[t] == 0:  # an image token: not in the vocabulary, no logprob
+                out.append(None)
+                continue
             entry = {ids[t][0]: Logprob(vals[t][0], ranks[t], self._decode_one(ids[t][0]))}
             for j in range(1, 1 + k):
                 if ids[t][j] not in entry:

@@ -142,6 +142,8 @@ def render_chat_prompt(
         )
     except jinja2.TemplateError as e:
         raise ValueError(str(e)) from None
+    except (TypeError, ValueError) as e:  # e.g. a chat_template_kwargs value of a wrong type
+        raise ValueError(f"The chat template could not be rendered: {e}") from None
     if not isinstance(text, str):
         raise ValueError("The chat template did not render to a string.")
     return text

@@ -232,10 +232,16 @@ class ModelRunner:
             k = req.params.prompt_logprobs
             if k is not None and req.prompt_logprobs is None and n > 1:
                 logits = self.model.compute_logits(hidden[start:start + n - 1])
-                targets = to_device(s.token_ids[1:n], torch.int64, self.device)
+                # Image tokens (id >= vocab) cannot be sampled: no logprob at their positions
+                # (rank 0 marks them).
+                raw = s.token_ids[1:n]
+                targets = to_device([t if t < self.vocab_size else 0 for t in raw],
+                                    torch.int64, self.device)
                 vals, ids, ranks = compute_prompt_logprobs(logits, targets, k)
+                ranks_l = [0 if t >= self.vocab_size else r
+                           for t, r in zip(raw, ranks.cpu().tolist(), strict=True)]
                 result.prompt_logprobs[req.request_id] = (
-                    vals.cpu().tolist(), ids.cpu().tolist(), ranks.cpu().tolist())
+                    vals.cpu().tolist(), ids.cpu().tolist(), ranks_l)
             start += n
 
     def _decode(self, out: SchedulerOutput) -> tuple[StepOutput, SamplerOutput]:

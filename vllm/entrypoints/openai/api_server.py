@@ -103,12 +103,10 @@ class BodySizeLimitMiddleware:
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
         headers = dict(scope.get("headers", []))
-        length = headers.get(b"content-length")
-        if length is not None:
-            if length.isdigit() and int(length) > self.max_bytes:
-                return await self._reject(scope, receive, send, f"{int(length)} bytes")
-            return await self.app(scope, receive, send)
-        if b"chunked" not in headers.get(b"transfer-encoding", b"").lower():
+        length = headers.get(b"content-length", b"")
+        if length.isdigit() and int(length) > self.max_bytes:
+            return await self._reject(scope, receive, send, f"{int(length)} bytes")
+        if length or b"chunked" not in headers.get(b"transfer-encoding", b"").lower():
             return await self.app(scope, receive, send)
         chunks, total = [], 0
         while True:
@@ -299,11 +297,8 @@ class DrainingServer(uvicorn.Server):
         self.shutdown_timeout = shutdown_timeout
 
     async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
-        logger.info(
-            "Shutting down: %d open connection(s) get %g s to finish",
-            len(self.server_state.connections),
-            self.shutdown_timeout,
-        )
+        n = self.engine.engine.get_num_unfinished_requests()
+        logger.info("Shutting down: %d request(s) get %g s to finish", n, self.shutdown_timeout)
         timer = asyncio.get_running_loop().call_later(self.shutdown_timeout, self._stop_engine)
         try:
             await super().shutdown(sockets)
@@ -312,18 +307,15 @@ class DrainingServer(uvicorn.Server):
 
     def _stop_engine(self) -> None:
         """Stops the engine off the event loop (pending requests get EngineDeadError)."""
-        if self.engine.is_running:
-            logger.info("Aborting the requests still running.")
-            threading.Thread(target=self.engine.shutdown, name="vllm-shutdown", daemon=True).start()
+        n = self.engine.engine.get_num_unfinished_requests()
+        logger.info("Stopping the engine; %d request(s) still running end with an error.", n)
+        threading.Thread(target=self.engine.shutdown, name="vllm-shutdown", daemon=True).start()
 
 
 def _serve(server: uvicorn.Server, sock: socket.socket) -> None:
-    """Runs uvicorn; a SIGTERM ends it like Ctrl-C does, with exit status 0.
-
-    uvicorn re-raises the signal that stopped it once it has shut down; for SIGTERM that would
-    kill the process (status -15) before the engine is stopped, so a handler that only notes
-    it is installed for the duration.
-    """
+    """Runs uvicorn; a SIGTERM ends it like Ctrl-C does, with exit status 0. (uvicorn re-raises
+    the signal that stopped it; SIGTERM's default action would kill the process, status -15,
+    before the engine is stopped, so a handler that only notes it is installed meanwhile.)"""
     in_main = threading.current_thread() is threading.main_thread()
     previous = signal.signal(signal.SIGTERM, _note_sigterm) if in_main else None
     try:

@@ -215,6 +215,14 @@ class OpenAIServing:
                     f"(valid ids are 0..{vocab - 1}).",
                     name,
                 )
+        allowed = set(params.allowed_token_ids or ())
+        if allowed and params.min_tokens > 0 and allowed <= params.all_stop_token_ids:
+            # Every logit would be masked: the sampler has nothing to draw from.
+            raise bad_request(
+                "allowed_token_ids holds only stop or EOS tokens, which min_tokens suppresses: "
+                "no token could be sampled.",
+                "allowed_token_ids",
+            )
 
     def log_request(
         self, request_id: str, prompt: str | None, token_ids: list[int], params: SamplingParams
@@ -236,6 +244,17 @@ class OpenAIServing:
     def generate(
         self, processed: Any, params: SamplingParams, request_id: str
     ) -> AsyncGenerator[RequestOutput, None]:
+        """The engine's output stream for one prompt (checked first: raises a 400)."""
+        if params.prompt_logprobs is not None:
+            vocab = self.engine.config.model_config.spec.text.vocab_size
+            beyond = [t for t in processed.prompt_token_ids if t >= vocab]
+            if beyond:  # e.g. <|image|>: it has an embedding but no logit
+                raise bad_request(
+                    f"prompt_logprobs cannot be computed for this prompt: it contains token id "
+                    f"{beyond[0]}, outside the output vocabulary of {vocab} tokens (the image "
+                    "token has no logit).",
+                    "prompt_logprobs",
+                )
         return self.engine.generate(None, params, request_id, processed=processed)
 
     async def collect_final(
