@@ -205,7 +205,6 @@ class Scheduler:
         for s in request.unfinished_seqs():
             self.bm.free_seq(s)
             s.status = SequenceStatus.WAITING
-            s.num_computed_tokens = 0
         self.bm.free_cross(request)
         request.num_preemptions += 1
         self.num_preemptions += 1

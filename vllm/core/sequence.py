@@ -51,7 +51,6 @@ class Sequence:
     stop_reason: int | str | None = None
     detokenizer: Any = None
     generator: Any = None
-    num_computed_tokens: int = 0  # tokens whose K/V are in the cache
     inflight: int = 0  # tokens sampled on the device whose results the host has not read yet
 
     @property

@@ -71,7 +71,7 @@ class LLMEngine:
         if self.tokenizer.eos_token_id is not None:
             eos.add(self.tokenizer.eos_token_id)
         self.eos_token_ids = sorted(eos)
-        self.output_processor = OutputProcessor(self.tokenizer, config, self.runner.device)
+        self.output_processor = OutputProcessor(self.tokenizer, config)
         self.log_stats = log_stats
         # Launch step N+1 before reading step N's results, so host work overlaps the GPU.
         self.async_scheduling = async_scheduling
@@ -111,7 +111,6 @@ class LLMEngine:
         if arrival_time is not None:
             request.arrival_time = arrival_time
         self.scheduler.add_request(request)
-        self.output_processor.add_request(request)
 
     def check_params(self, params: SamplingParams) -> None:
         """Engine-level limits on sampling parameters (raises ValueError)."""

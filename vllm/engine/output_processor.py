@@ -24,13 +24,10 @@ _MONO_TO_WALL = time.time() - time.monotonic()
 class OutputProcessor:
     """Applies a step's results to its sequences and builds the outputs."""
 
-    def __init__(self, tokenizer: Any, config: VllmConfig, device: Any) -> None:
+    def __init__(self, tokenizer: Any, config: VllmConfig) -> None:
         self.tokenizer = tokenizer
         self.max_model_len = config.model_config.max_model_len
         self._sent: dict[int, tuple[int, int]] = {}  # seq_id -> (tokens, chars) already sent
-
-    def add_request(self, request: Request) -> None:
-        pass
 
     def forget(self, request: Request) -> None:
         for s in request.seqs:
