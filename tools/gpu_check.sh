@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
-# GPU verification in one call: install the carried wheels (pinned transformers and the
-# server/test dependencies), run the CUDA tests, then the attention microbenchmark.
-# Usage (from the repository root, with .whl/ and .cache/demo/ carried):
+# GPU verification on an offline CUDA machine: install the wheels from .whl/ (pinned
+# transformers and the server/test dependencies), then run the CUDA tests.
+# Usage (from the repository root, with .whl/ and the demo checkpoints in .cache/demo/):
 #   bash tools/gpu_check.sh [pytest paths...]
 set -uo pipefail
 source tools/gpu_env.sh || exit 1

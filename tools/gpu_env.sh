@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# Source on a GPU machine with .whl/ and .cache/demo/ carried: installs the carried wheels
-# (pinned transformers and the server/test dependencies) into /tmp/site and sets the paths.
+# Source on an offline GPU machine: installs the wheels in .whl/ (pinned transformers and the
+# server/test dependencies) into /tmp/site and points the demo checkpoints at .cache/demo/.
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
   --target /tmp/site .whl/*.whl || return 1
 export PYTHONPATH=/tmp/site:$PWD PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1
