@@ -38,6 +38,12 @@ class PageLayout:
         return cls(n_self, n_cross, t.num_key_value_heads, t.head_dim, block_size,
                    cross_block, dtype)
 
+    def pages_for_tokens(self, n: int) -> int:
+        return -(-n // self.block_size)
+
+    def cross_pages_for_tokens(self, n: int) -> int:
+        return -(-n // self.cross_block_size)
+
     @property
     def self_elems(self) -> int:
         return self.num_self_layers * 2 * self.num_kv_heads * self.block_size * self.head_dim

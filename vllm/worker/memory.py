@@ -25,8 +25,8 @@ GiB = 1 << 30
 def pages_per_seq(config: VllmConfig, layout: PageLayout) -> int:
     """Self pages of a full-length sequence plus the cross pages of a full image group."""
     mc = config.model_config
-    return (-(-mc.max_model_len // layout.block_size)
-            + -(-mc.max_encoder_seq_len // layout.cross_block_size))
+    return (layout.pages_for_tokens(mc.max_model_len)
+            + layout.cross_pages_for_tokens(mc.max_encoder_seq_len))
 
 
 def _profile_inputs(runner) -> list[ProcessedInputs]:
@@ -135,7 +135,7 @@ def fit_config_to_pages(config: VllmConfig, layout: PageLayout, num_pages: int) 
     if usable >= need:
         return config
     mc = config.model_config
-    cross = -(-mc.max_encoder_seq_len // layout.cross_block_size)
+    cross = layout.cross_pages_for_tokens(mc.max_encoder_seq_len)
     fit_len = (usable - cross) * layout.block_size
     if fit_len < 2 * layout.block_size:
         raise ValueError(

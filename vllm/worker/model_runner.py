@@ -128,11 +128,11 @@ class ModelRunner:
     # ------------------------------------------------------------------ set-up
     @property
     def max_pages_per_seq(self) -> int:
-        return -(-self.config.model_config.max_model_len // self.layout.block_size)
+        return self.layout.pages_for_tokens(self.config.model_config.max_model_len)
 
     @property
     def max_cross_pages(self) -> int:
-        return -(-self.config.model_config.max_encoder_seq_len // self.layout.cross_block_size)
+        return self.layout.cross_pages_for_tokens(self.config.model_config.max_encoder_seq_len)
 
     def initialize_cache(self, num_pages: int) -> None:
         self.cache_engine = CacheEngine(self.layout, num_pages, self.device)

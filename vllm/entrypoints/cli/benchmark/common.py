@@ -236,3 +236,12 @@ def args_record(args: argparse.Namespace) -> dict[str, Any]:
             value = str(value)
         out[key] = value
     return out
+
+
+def check_lengths(args: Any, info: dict[str, Any]) -> None:
+    """Prompt plus output must fit the engine's max_model_len."""
+    if args.input_len + args.output_len > info["max_model_len"]:
+        raise ValueError(
+            f"--input-len + --output-len ({args.input_len + args.output_len}) "
+            f"exceeds max_model_len ({info['max_model_len']})"
+        )

@@ -20,6 +20,7 @@ from vllm.entrypoints.cli.benchmark.common import (
     add_image_args,
     args_record,
     check_image_args,
+    check_lengths,
     engine_info,
     make_llm,
     synthetic_prompts,
@@ -92,11 +93,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     _check_args(args)
     llm = make_llm(args)
     info = engine_info(llm)
-    if args.input_len + args.output_len > info["max_model_len"]:
-        raise ValueError(
-            f"--input-len + --output-len ({args.input_len + args.output_len}) "
-            f"exceeds max_model_len ({info['max_model_len']})"
-        )
+    check_lengths(args, info)
     seed = args.seed if args.seed is not None else 0
     counts = images_per_request(args.num_prompts, args.num_images, args.image_ratio, seed)
     prompts = synthetic_prompts(llm, counts, args.input_len, args.image_size, seed)
