@@ -2,12 +2,17 @@
 
     python benchmarks/profile_step.py --out /tmp/profile
 
-Prints, per phase, the kernels sorted by total CUDA time (torch.profiler).
+Prints, per phase, the kernels sorted by total CUDA time (torch.profiler), the prefill's host
+operations sorted by CPU time (with their Python stacks), and a cProfile of the host work of
+50 decode steps at batch size 1 (``decode_host.txt``).
 """
 
 from __future__ import annotations
 
 import argparse
+import cProfile
+import io
+import pstats
 from pathlib import Path
 
 import torch
@@ -39,11 +44,13 @@ def main() -> None:
         engine.step()
     engine.abort_request("warm")
     torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA],
+                 with_stack=True) as prof:
         engine.add_request("p", None, params, processed=processed)
         engine.step()  # the prefill
         torch.cuda.synchronize()
-    (out / "prefill.txt").write_text(table(prof))
+    host = prof.key_averages(group_by_stack_n=6).table(sort_by="cpu_time_total", row_limit=25)
+    (out / "prefill.txt").write_text(table(prof) + "\n\nHost, by CPU time:\n" + host)
     for _ in range(3):
         engine.step()
     runner = engine.runner
@@ -56,9 +63,20 @@ def main() -> None:
             torch.cuda.synchronize()
         runner.graphs = saved
         (out / f"{name}.txt").write_text(table(prof, 40))
-    for f in ("prefill", "decode_graph", "decode_eager"):
+    for _ in range(5):
+        engine.step()
+    torch.cuda.synchronize()
+    prof_host = cProfile.Profile()
+    prof_host.enable()
+    for _ in range(50):
+        engine.step()
+    prof_host.disable()
+    text = io.StringIO()
+    pstats.Stats(prof_host, stream=text).sort_stats("tottime").print_stats(35)
+    (out / "decode_host.txt").write_text(text.getvalue())
+    for f in ("prefill", "decode_graph", "decode_eager", "decode_host"):
         print(f"===== {f}")
-        print((out / f"{f}.txt").read_text()[:6000])
+        print((out / f"{f}.txt").read_text()[:12000])
 
 
 if __name__ == "__main__":

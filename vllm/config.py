@@ -73,12 +73,20 @@ class CacheConfig:
 
 @dataclass(frozen=True)
 class SchedulerConfig:
-    """Continuous-batching limits. Prompts are prefilled whole (no chunking)."""
+    """Continuous-batching limits. Prompts are prefilled whole (no chunking).
+
+    While sequences are decoding, a prefill step carries at most ``decode_interleave_tokens``
+    prompt tokens (always at least one request) and is followed by a decode step, and images
+    of waiting requests are encoded ``encoder_layers_per_step`` image-layers per decode step
+    before their prefill. Either set to 0 restores the prefill-first behaviour for its part.
+    """
 
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 8192
     max_model_len: int = 8192
     max_num_encoder_tiles: int = 16  # per-step vision budget; each image costs max_num_tiles
+    decode_interleave_tokens: int = 256
+    encoder_layers_per_step: int = 4
 
 
 @dataclass(frozen=True)

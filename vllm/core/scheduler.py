@@ -5,6 +5,12 @@ decode of every running sequence. Waiting requests are admitted first-come-first
 ``max_num_seqs``, ``max_num_batched_tokens``, the per-step vision budget and free pages. When a
 decode step lacks pages, the youngest running request is preempted: its pages are freed, it
 keeps its tokens and images, and it is recomputed later. Nothing is lost.
+
+While sequences are decoding, prefill is interleaved (``decode_interleave_tokens``): a prefill
+step carries a bounded number of prompt tokens and the next step is a decode, so a running
+sequence waits for at most one bounded prefill between two tokens. An image request is then
+admitted only once its images were encoded ahead of time (the engine spreads that over decode
+steps, ``encoder_layers_per_step``); requests behind it may go first meanwhile.
 """
 
 from __future__ import annotations
@@ -55,6 +61,7 @@ class Scheduler:
         self.requests: dict[str, Request] = {}
         self._seq_ids = itertools.count()
         self.num_preemptions = 0
+        self._last_was_prefill = False
 
     # ----------------------------------------------------------------- admission
     def check_fits(self, request: Request) -> None:
@@ -100,11 +107,37 @@ class Scheduler:
         only a decode step that needs no admission decision and no preemption is scheduled;
         None tells the caller to collect the in-flight step first."""
         if lookahead:
-            return self._schedule_lookahead()
-        out = self._schedule_prefill()
+            out = self._schedule_lookahead()
+        elif self._decode_turn():
+            out = self._schedule_decode()
+        else:
+            out = self._schedule_prefill()
+            if out is None and self.running:
+                out = self._schedule_decode()
         if out is not None:
-            return out
-        return self._schedule_decode() if self.running else None
+            self._last_was_prefill = out.is_prefill
+        return out
+
+    @property
+    def interleaving(self) -> bool:
+        """Sequences are decoding and prefill steps are bounded and alternate with decodes."""
+        return self.config.decode_interleave_tokens > 0 and bool(self.running)
+
+    def _decode_turn(self) -> bool:
+        return self.interleaving and self._last_was_prefill
+
+    def needs_encoding(self, request: Request) -> bool:
+        """An image request that may not be admitted before its images are encoded."""
+        return (self.interleaving and self.config.encoder_layers_per_step > 0
+                and request.has_images and request.encoded_images is None)
+
+    def next_to_encode(self, max_ready: int = 2) -> Request | None:
+        """The first waiting request to encode ahead of its prefill (None while ``max_ready``
+        encoded requests already wait, which bounds the memory they hold)."""
+        ready = sum(1 for r in self.waiting if r.encoded_images is not None)
+        if ready >= max_ready:
+            return None
+        return next((r for r in self.waiting if self.needs_encoding(r)), None)
 
     def _will_finish_by_length(self, s: Sequence) -> bool:
         """Known on the host: the in-flight token completes the sequence."""
@@ -117,8 +150,9 @@ class Scheduler:
                 if not self._will_finish_by_length(s)]
 
     def _schedule_lookahead(self) -> SchedulerOutput | None:
-        if self.waiting:
-            return None
+        if (self.waiting and not self._decode_turn()
+                and not all(self.needs_encoding(r) for r in self.waiting)):
+            return None  # an admission decision is due: collect first
         seqs = self._decode_candidates()
         need = sum(1 for s in seqs if self.bm.needs_new_page(s))
         if not seqs or need > self.bm.pool.num_free:
@@ -135,9 +169,14 @@ class Scheduler:
         c = self.config
         out = SchedulerOutput(is_prefill=True)
         tokens = tiles = pages = 0
+        max_tokens = c.max_num_batched_tokens
+        if self.interleaving:
+            max_tokens = min(max_tokens, c.decode_interleave_tokens)
         num_seqs = self.num_running_seqs()
-        while self.waiting:
-            req = self.waiting[0]
+        admitted = []
+        for req in self.waiting:
+            if self.needs_encoding(req):
+                continue  # its images are being encoded; later requests may go first
             seqs = req.unfinished_seqs()
             n_tok = sum(len(s) for s in seqs)
             n_tiles = req.inputs.num_images * self.tiles_per_image
@@ -145,14 +184,17 @@ class Scheduler:
             if not req.forked:
                 n_pages += req.params.n - 1  # each child's copy of a partial last page
             if (num_seqs + self._seqs_after_prefill(req) > c.max_num_seqs
+                    or (admitted and tokens + n_tok > max_tokens)
                     or tokens + n_tok > c.max_num_batched_tokens
                     or tiles + n_tiles > c.max_num_encoder_tiles
                     or pages + n_pages > self.bm.pool.num_free):
                 break
-            self.waiting.popleft()
+            admitted.append(req)
             tokens, tiles, pages = tokens + n_tok, tiles + n_tiles, pages + n_pages
             num_seqs += self._seqs_after_prefill(req)
-            self._admit(req, seqs, out)
+        for req in admitted:
+            self.waiting.remove(req)
+            self._admit(req, req.unfinished_seqs(), out)
         return out if out.prefill_seqs else None
 
     def _admit(self, req: Request, seqs: list[Sequence], out: SchedulerOutput) -> None:

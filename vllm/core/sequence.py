@@ -80,6 +80,7 @@ class Request:
     seqs: list[Sequence] = field(default_factory=list)
     cross_block_table: list[int] = field(default_factory=list)
     cross_written: bool = False
+    encoded_images: Any = None  # projected vision tokens encoded ahead of the prefill
     forked: bool = False  # siblings created (n > 1 after the first prefill)
     prompt_logprobs: list[dict[int, Any] | None] | None = None
     first_scheduled_time: float | None = None

@@ -73,6 +73,8 @@ class EngineArgs:
     max_num_seqs: int | None = None
     max_num_batched_tokens: int | None = None
     max_num_encoder_tiles: int | None = None
+    decode_interleave_tokens: int = 256
+    encoder_layers_per_step: int = 4
     gpu_memory_utilization: float = 0.9
     enforce_eager: bool = False
     cuda_graph_sizes: list[int] | None = None
@@ -207,8 +209,13 @@ class EngineArgs:
                 f"max_num_encoder_tiles ({tiles}) cannot encode one request with "
                 f"{limit_images} image(s) of {max_tiles} tiles; raise it or lower "
                 "--limit-mm-per-prompt")
+        for name in ("decode_interleave_tokens", "encoder_layers_per_step"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
         return SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=batched,
-                               max_model_len=max_model_len, max_num_encoder_tiles=tiles)
+                               max_model_len=max_model_len, max_num_encoder_tiles=tiles,
+                               decode_interleave_tokens=self.decode_interleave_tokens,
+                               encoder_layers_per_step=self.encoder_layers_per_step)
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

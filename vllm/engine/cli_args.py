@@ -105,6 +105,17 @@ _FLAG_SPECS: dict[str, dict[str, Any]] = {
         "type": int,
         "help": "Maximum number of image tiles encoded per iteration.",
     },
+    "decode_interleave_tokens": {
+        "type": int,
+        "help": "While sequences decode, a prefill step carries at most this many prompt "
+        "tokens (at least one request) and a decode step follows it, bounding the gap between "
+        "two tokens of a running request. 0: prefill first, whole batches.",
+    },
+    "encoder_layers_per_step": {
+        "type": int,
+        "help": "While sequences decode, images of waiting requests are encoded this many "
+        "image-layers per decode step, ahead of their prefill. 0: encode inside the prefill.",
+    },
     "gpu_memory_utilization": {
         "type": float,
         "help": "Fraction of GPU memory for the model and its KV cache (0-1].",

@@ -24,7 +24,7 @@ from vllm.outputs import RequestOutput
 from vllm.sampling_params import SamplingParams
 from vllm.transformers_utils.tokenizer import get_image_processor, get_tokenizer
 from vllm.worker.memory import determine_num_pages, fit_config_to_pages
-from vllm.worker.model_runner import ModelRunner, StepHandle
+from vllm.worker.model_runner import EncoderJob, ModelRunner, StepHandle
 
 logger = init_logger(__name__)
 
@@ -76,6 +76,7 @@ class LLMEngine:
         # Launch step N+1 before reading step N's results, so host work overlaps the GPU.
         self.async_scheduling = async_scheduling
         self._pending: StepHandle | None = None
+        self._encoder_job: EncoderJob | None = None
         self._last_log = time.monotonic()
         self._tokens_since_log = [0, 0]
         self._host_at_log = (0.0, 0)
@@ -184,12 +185,42 @@ class LLMEngine:
         for s in handle.result.seqs:
             s.inflight += 1
         previous, self._pending = self._pending, handle
+        if not out.is_prefill:
+            # Queued after the step's results, so reading them does not wait for it.
+            outputs += self._advance_encoder()
         if previous is not None:
             outputs += self._collect(previous)
         if not self.async_scheduling:
             outputs += self._collect(self._take_pending())
         self._maybe_log(out, handle.result)
         return outputs
+
+    def _advance_encoder(self) -> list[RequestOutput]:
+        """Spends this decode step's encoder budget on the images of a waiting request."""
+        budget = self.config.scheduler_config.encoder_layers_per_step
+        job = self._encoder_job
+        if job is not None and job.request not in self.scheduler.waiting:
+            job = self._encoder_job = None  # admitted (encoded in its prefill) or aborted
+        if job is None:
+            request = self.scheduler.next_to_encode()
+            if request is None:
+                return []
+            try:
+                job = self.runner.start_encoder_job(request)
+            except Exception as e:  # its images cannot be encoded: fail it alone
+                return self._fail_request(request, e)
+            self._encoder_job = job
+        if self.runner.advance_encoder_job(job, budget):
+            job.request.encoded_images = job.output
+            self._encoder_job = None
+        return []
+
+    def _fail_request(self, request: Request, error: Exception) -> list[RequestOutput]:
+        logger.error("Request %s failed in a step: %r", request.request_id, error)
+        request.error = error
+        output = self.output_processor.fail(request)
+        self.abort_request(request.request_id)
+        return [output]
 
     def _isolate_failure(self, out: SchedulerOutput, error: Exception) -> list[RequestOutput]:
         """A step failed. Requests whose own inputs make sampling fail are failed alone;
@@ -215,10 +246,7 @@ class LLMEngine:
                         self.runner.release(s)
         results = []
         for req, e in guilty:
-            logger.error("Request %s failed in a step: %r", req.request_id, e)
-            req.error = e
-            results.append(self.output_processor.fail(req))
-            self.abort_request(req.request_id)
+            results += self._fail_request(req, e)
         return results
 
     def _take_pending(self) -> StepHandle:

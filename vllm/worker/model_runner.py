@@ -17,7 +17,7 @@ from vllm.attention.metadata import AttentionMetadata
 from vllm.attention.selector import get_attn_backend
 from vllm.config import VllmConfig
 from vllm.core.scheduler import SchedulerOutput
-from vllm.core.sequence import Sequence
+from vllm.core.sequence import Request, Sequence
 from vllm.forward_context import set_forward_context
 from vllm.logger import init_logger
 from vllm.model_executor.layers.sampler import (
@@ -29,6 +29,7 @@ from vllm.model_executor.layers.sampler import (
     make_generator,
 )
 from vllm.model_executor.model_loader.loader import get_model
+from vllm.model_executor.models.mllama_vision import ImagesEncoding
 from vllm.utils import to_device
 from vllm.worker.cache_engine import CacheEngine, PageLayout
 from vllm.worker.decode_state import DecodeInputs, DecodeRows
@@ -43,6 +44,8 @@ class RunnerStats:
 
     graph_replays: Counter = field(default_factory=Counter)  # (family, bucket) -> replays
     eager_decode_steps: int = 0
+    encoder_chunks: int = 0  # decode steps that also advanced an image encoding
+    images_encoded_ahead: int = 0  # requests whose images were encoded before their prefill
     deliberate_eager: int = 0  # eager steps a benchmark asked for (not graph fallbacks)
     prefill_steps: int = 0
     host_time_s: float = 0.0  # host time spent launching steps
@@ -69,6 +72,15 @@ class StepOutput:
     logprob_ids: list[list[int]] | None = None
     ranks: list[int] | None = None
     prompt_logprobs: dict[str, tuple[list, list, list]] = field(default_factory=dict)
+
+
+@dataclass(eq=False)
+class EncoderJob:
+    """A waiting request's images, encoded a few layers per decode step ahead of its prefill."""
+
+    request: Request
+    encoding: ImagesEncoding | None
+    output: torch.Tensor | None = None  # projected vision tokens once finished
 
 
 def decode_metadata(inputs: DecodeInputs, max_seq_len: int,
@@ -124,6 +136,28 @@ class ModelRunner:
         if self.vision_graphs is not None:
             return self.vision_graphs.encode(pixel_values, aspect_ratio_ids, num_tiles)
         return self.model.encode_images(pixel_values, aspect_ratio_ids, num_tiles)
+
+    @torch.inference_mode()
+    def start_encoder_job(self, request: Request) -> EncoderJob:
+        """Embeds a waiting request's images; ``advance_encoder_job`` runs the layers."""
+        images = request.inputs.images
+        assert images is not None
+        pixels = to_device(images.pixel_values, images.pixel_values.dtype, self.device)
+        ar_ids = to_device(images.aspect_ratio_ids, torch.int64, self.device)
+        encoding = ImagesEncoding(self.model.vision_model, pixels, ar_ids, list(images.num_tiles))
+        return EncoderJob(request, encoding)
+
+    @torch.inference_mode()
+    def advance_encoder_job(self, job: EncoderJob, budget: int) -> bool:
+        """Enqueues about ``budget`` image-layers of the job; True once its output is ready."""
+        assert job.encoding is not None
+        self.stats.encoder_chunks += 1
+        if not job.encoding.advance(budget):
+            return False
+        job.output = self.model.multi_modal_projector(job.encoding.output())
+        job.encoding = None
+        self.stats.images_encoded_ahead += 1
+        return True
 
     # ------------------------------------------------------------------ set-up
     @property
@@ -193,14 +227,18 @@ class ModelRunner:
             req = s.request
             write_cross = req.has_images and not req.cross_written
             items.append(PrefillItem(list(s.token_ids), req.inputs, req, s.block_table,
-                                     req.cross_block_table, write_cross))
+                                     req.cross_block_table, write_cross, req.encoded_images))
             if write_cross:
                 req.cross_written = True
         batch = build_prefill_batch(items, lo.block_size, lo.cross_block_size, self.device)
+        for s in out.prefill_seqs:
+            s.request.encoded_images = None  # consumed (freed once this step has run)
         vision = None
         if batch.pixel_values is not None:
             vision = self.encode_images(batch.pixel_values, batch.aspect_ratio_ids,
                                         batch.num_tiles)
+        if batch.vision_parts:
+            vision = batch.assemble_vision(vision)
         with set_forward_context(batch.metadata):
             hidden = self.model(batch.input_ids, batch.positions, vision)
         result = StepOutput(seqs=[], token_ids=[])

@@ -29,6 +29,7 @@ class PrefillItem:
     block_table: list[int] = field(default_factory=list)  # empty: do not write K/V
     cross_block_table: list[int] = field(default_factory=list)
     write_cross: bool = False  # this item writes the request's cross K/V pages
+    encoded: torch.Tensor | None = None  # its images' vision tokens, encoded ahead of time
 
 
 @dataclass
@@ -40,6 +41,19 @@ class PrefillBatch:
     pixel_values: torch.Tensor | None  # [N, max_tiles, C, S, S]
     aspect_ratio_ids: torch.Tensor | None  # [N]
     num_tiles: list[int]
+    # When some images were encoded ahead: per image group in vision order, its encoded tokens
+    # or None (take the next rows of this step's fresh encoding), with its token count.
+    vision_parts: list[tuple[torch.Tensor | None, int]] = field(default_factory=list)
+
+    def assemble_vision(self, fresh: torch.Tensor | None) -> torch.Tensor:
+        """The step's packed vision tokens from ahead-encoded parts and ``fresh`` ones."""
+        parts, row = [], 0
+        for encoded, n in self.vision_parts:
+            if encoded is None:
+                assert fresh is not None
+                encoded, row = fresh[row:row + n], row + n
+            parts.append(encoded)
+        return torch.cat(parts) if len(parts) > 1 else parts[0]
 
 
 def _slots(table: list[int], count: int, page: int) -> torch.Tensor:
@@ -78,6 +92,7 @@ def build_prefill_batch(items: list[PrefillItem], block_size: int, cross_block_s
     pixel, ar_ids, num_tiles = [], [], []
     vision_base: dict[object, int] = {}
     n_vision = 0
+    parts: list[tuple[torch.Tensor | None, int]] = []
     seq_lens, enc_lens = [], []
     for item in items:
         inp, n = item.inputs, len(item.token_ids)
@@ -91,9 +106,11 @@ def build_prefill_batch(items: list[PrefillItem], block_size: int, cross_block_s
         if base is None and inp.images is not None:
             base = vision_base[item.vision_key] = n_vision
             n_vision += inp.num_vision_tokens
-            pixel.append(inp.images.pixel_values)
-            ar_ids.append(inp.images.aspect_ratio_ids)
-            num_tiles += inp.images.num_tiles
+            parts.append((item.encoded, inp.num_vision_tokens))
+            if item.encoded is None:
+                pixel.append(inp.images.pixel_values)
+                ar_ids.append(inp.images.aspect_ratio_ids)
+                num_tiles += inp.images.num_tiles
         item_ranges = [(0, 0)] * n
         offsets = inp.image_token_offsets()
         item_runs = list(inp.runs)
@@ -133,8 +150,9 @@ def build_prefill_batch(items: list[PrefillItem], block_size: int, cross_block_s
         encoder_seq_lens=enc_lens,
         encoder_seq_lens_tensor=t(enc_lens, torch.int32),
         max_encoder_seq_len=max(enc_lens),
-        cross_block_tables=_pad_tables([i.cross_block_table for i in items],
-                                       max(len(i.cross_block_table) for i in items)).to(device),
+        cross_block_tables=t(_pad_tables([i.cross_block_table for i in items],
+                                         max(len(i.cross_block_table) for i in items)),
+                             torch.int32),
         cross_kv_ranges=t(ranges, torch.int32).view(-1, 2),
         cross_range_runs=runs,
         cross_cache_src=t(torch.cat(cross_src)) if cross_src else None,
@@ -148,4 +166,5 @@ def build_prefill_batch(items: list[PrefillItem], block_size: int, cross_block_s
         pixel_values=_pixels_to(pixel, device),
         aspect_ratio_ids=to_device(torch.cat(ar_ids), torch.int64, device) if ar_ids else None,
         num_tiles=num_tiles,
+        vision_parts=parts if any(e is not None for e, _ in parts) else [],
     )

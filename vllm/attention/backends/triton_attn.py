@@ -15,6 +15,7 @@ from vllm.attention.ops import reference as ref
 from vllm.attention.ops.triton_decode import DecodeConfig, paged_decode_attention
 from vllm.attention.ops.triton_kv_write import write_kv_cache
 from vllm.attention.ops.triton_prefill import ranged_cross_attention, varlen_causal_attention
+from vllm.utils import to_device
 
 
 class TritonBackend:
@@ -66,7 +67,7 @@ class TritonBackend:
             starts = [0]
             for n in md.seq_lens:
                 starts.append(starts[-1] + n)
-            query_start_loc = torch.tensor(starts, dtype=torch.int32).to(query.device)
+            query_start_loc = to_device(starts, torch.int32, query.device)
         return varlen_causal_attention(
             query, key, value, query_start_loc, max(md.seq_lens, default=0), scale
         )

@@ -3,12 +3,15 @@
 Every image is encoded at the model's maximum tile count, as the reference does: padded tiles
 and the per-tile padding tokens (1601 -> 1608) take part in attention, masked only against
 each other. Instead of a dense mask, each image's tokens are permuted once so the valid tokens
-come first; then every attention layer is two maskless calls (valid queries over all keys,
-padding queries over the valid keys). The output keeps only the valid tiles' tokens, with the
-*inputs* of the intermediate layers appended (Meta's reference; HF >= 4.56 takes outputs).
+come first; then every attention layer is one maskless call over all tokens, after which the
+few padding rows are recomputed over the valid keys only. The output keeps only the valid
+tiles' tokens, with the *inputs* of the intermediate layers appended (Meta's reference; HF >=
+4.56 takes outputs).
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -136,6 +139,19 @@ class PositionEmbedding(nn.Module):
         return x + gate * tile
 
 
+@dataclass(eq=False)
+class GroupEncoding:
+    """A group of images (one tile count) part-way through the encoder layers."""
+
+    hidden: torch.Tensor  # [G, T * P_padded, D], valid tokens first
+    order: torch.Tensor  # the valid-first token permutation
+    aspect_ratio_ids: torch.Tensor  # [G]
+    num_valid: int
+    total_layers: int
+    next_layer: int = 0
+    features: list[torch.Tensor] = field(default_factory=list)  # intermediate-layer inputs
+
+
 def _valid_first_order(num_tiles: int, max_tiles: int, tokens: int, padded: int,
                        device: torch.device) -> torch.Tensor:
     """Token order putting the valid tokens of the first ``num_tiles`` tiles first.
@@ -180,43 +196,115 @@ class MllamaVisionModel(nn.Module):
         x = self.layernorm_pre(x)
         return F.pad(x, (0, 0, 0, s.padded_tokens_per_tile - s.tokens_per_tile))
 
-    def _encode_group(self, x: torch.Tensor, aspect_ratio_ids: torch.Tensor,
-                      num_tiles: int) -> torch.Tensor:
-        """Images sharing a tile count: [G, T, P_padded, D] -> [G, num_tiles * P, D_out]."""
+    # A group can also be encoded a few layers at a time (``begin_group``, ``advance`` until
+    # done, ``finish_group``): the same operations in the same order as one call, so the result
+    # is bitwise the same. The engine spreads an image's encoding over decode steps this way.
+    def begin_group(self, x: torch.Tensor, aspect_ratio_ids: torch.Tensor,
+                    num_tiles: int) -> GroupEncoding:
         s = self.spec
         g, t, pp, d = x.shape
-        p = s.tokens_per_tile
-        order = _valid_first_order(num_tiles, t, p, pp, x.device)
-        num_valid = num_tiles * p
-        x = x.reshape(g, t * pp, d)[:, order]
-        features = []
-        inter = set(s.intermediate_layers_indices)
-        for i, layer in enumerate(self.transformer.layers):
-            if i in inter:
-                features.append(x[:, :num_valid])
-            x = layer(x, num_valid)
+        order = _valid_first_order(num_tiles, t, s.tokens_per_tile, pp, x.device)
+        total = len(self.transformer.layers) + len(self.global_transformer.layers)
+        state = GroupEncoding(x.reshape(g, t * pp, d)[:, order], order, aspect_ratio_ids,
+                              num_tiles * s.tokens_per_tile, total)
+        if not self.transformer.layers:
+            state.hidden = self._post_local(state.hidden, state)
+        return state
+
+    def advance(self, state: GroupEncoding, num_layers: int) -> bool:
+        """Runs up to ``num_layers`` more encoder layers; True once all have run."""
+        local = self.transformer.layers
+        inter = self.spec.intermediate_layers_indices
+        stop = min(state.next_layer + num_layers, state.total_layers)
+        x = state.hidden
+        for i in range(state.next_layer, stop):
+            if i < len(local):
+                if i in inter:
+                    state.features.append(x[:, :state.num_valid])
+                x = local[i](x, state.num_valid)
+                if i == len(local) - 1:
+                    x = self._post_local(x, state)
+            else:
+                x = self.global_transformer.layers[i - len(local)](x, state.num_valid)
+        state.hidden, state.next_layer = x, stop
+        return stop == state.total_layers
+
+    def _post_local(self, x: torch.Tensor, state: GroupEncoding) -> torch.Tensor:
         x = self.layernorm_post(x)
-        tile_of_token = torch.div(order, pp, rounding_mode="floor")
-        post = self.post_tile_positional_embedding(aspect_ratio_ids)  # [G, T, D]
-        x = x + post[:, tile_of_token]
-        for layer in self.global_transformer.layers:
-            x = layer(x, num_valid)
-        stacked = torch.stack(features, dim=-1).reshape(g, num_valid, -1)
-        return torch.cat((x[:, :num_valid], stacked), dim=-1)
+        tile_of_token = torch.div(state.order, self.spec.padded_tokens_per_tile,
+                                  rounding_mode="floor")
+        post = self.post_tile_positional_embedding(state.aspect_ratio_ids)  # [G, T, D]
+        return x + post[:, tile_of_token]
+
+    def finish_group(self, state: GroupEncoding) -> torch.Tensor:
+        assert state.next_layer == state.total_layers, "finish_group before the last layer"
+        g, n = state.hidden.shape[0], state.num_valid
+        stacked = torch.stack(state.features, dim=-1).reshape(g, n, -1)
+        return torch.cat((state.hidden[:, :n], stacked), dim=-1)
 
     def forward(self, pixel_values: torch.Tensor, aspect_ratio_ids: torch.Tensor,
                 num_tiles: list[int]) -> torch.Tensor:
         """pixel_values [N, max_tiles, C, S, S], aspect_ratio_ids [N], host tile counts ->
         packed valid tokens of all images in order, [sum(num_tiles) * P, vision_output_dim]."""
-        x = self._embed(pixel_values, aspect_ratio_ids)
+        encoding = ImagesEncoding(self, pixel_values, aspect_ratio_ids, num_tiles)
+        encoding.advance(encoding.remaining_layers())
+        return encoding.output()
+
+
+class ImagesEncoding:
+    """Images encoded group by group (one group per tile count), any number of layers at a
+    time. ``MllamaVisionModel.forward`` runs it to the end in one call; the engine can instead
+    spread it over several steps. Either way the operations and their order are the same."""
+
+    def __init__(self, model: MllamaVisionModel, pixel_values: torch.Tensor,
+                 aspect_ratio_ids: torch.Tensor, num_tiles: list[int]) -> None:
+        self.model = model
+        self.num_images = len(num_tiles)
+        x = model._embed(pixel_values, aspect_ratio_ids)
+        self._groups: list[tuple[list[int] | None, GroupEncoding]] = []
         if len(set(num_tiles)) == 1:  # one group: no gather (and no host copy to capture)
-            encoded = self._encode_group(x, aspect_ratio_ids, num_tiles[0])
+            self._groups.append((None, model.begin_group(x, aspect_ratio_ids, num_tiles[0])))
+        else:
+            for nt in sorted(set(num_tiles)):
+                members = [i for i, n in enumerate(num_tiles) if n == nt]
+                index = to_device(members, torch.int64, x.device)
+                self._groups.append(
+                    (members, model.begin_group(x[index], aspect_ratio_ids[index], nt)))
+        self._current = 0
+
+    def remaining_layers(self) -> int:
+        """Image-layers left (a layer over a group of G images counts G)."""
+        return sum(g.hidden.shape[0] * (g.total_layers - g.next_layer) for _, g in self._groups)
+
+    @property
+    def done(self) -> bool:
+        return self._current == len(self._groups)
+
+    def advance(self, budget: int) -> bool:
+        """Runs at most ``budget`` image-layers (at least one layer); True once finished."""
+        spent = 0
+        while not self.done:
+            group = self._groups[self._current][1]
+            size = group.hidden.shape[0]
+            layers = (budget - spent) // size
+            if layers <= 0:
+                if spent:
+                    break
+                layers = 1
+            start = group.next_layer
+            if self.model.advance(group, layers):
+                self._current += 1
+            spent += size * (group.next_layer - start)
+        return self.done
+
+    def output(self) -> torch.Tensor:
+        assert self.done, "output() before the encoding finished"
+        if self._groups[0][0] is None:
+            encoded = self.model.finish_group(self._groups[0][1])
             return encoded.reshape(-1, encoded.shape[-1])
-        outputs: list[torch.Tensor | None] = [None] * len(num_tiles)
-        for nt in sorted(set(num_tiles)):
-            members = [i for i, n in enumerate(num_tiles) if n == nt]
-            index = to_device(members, torch.int64, x.device)
-            encoded = self._encode_group(x[index], aspect_ratio_ids[index], nt)
-            for j, i in enumerate(members):
+        outputs: list[torch.Tensor | None] = [None] * self.num_images
+        for members, group in self._groups:
+            encoded = self.model.finish_group(group)
+            for j, i in enumerate(members or ()):
                 outputs[i] = encoded[j]
         return torch.cat(outputs, dim=0)  # type: ignore[arg-type]

@@ -1,0 +1,71 @@
+"""Launching a step never waits for the GPU: prefill with images, decode, and images encoded
+ahead over decode steps. On CUDA every synchronising call (a pageable copy, ``.item()``, a
+stream or event wait) raises inside the launch; on CPU host reads of tensor data do."""
+
+from __future__ import annotations
+
+import contextlib
+
+import numpy as np
+import torch
+from helpers.no_sync import NoHostSync
+from PIL import Image
+
+from vllm import LLM, SamplingParams
+
+CUDA = torch.cuda.is_available()
+
+
+@contextlib.contextmanager
+def strict():
+    if CUDA:
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            yield
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    else:
+        with NoHostSync():
+            yield
+
+
+def _strictly(fn):
+    def wrapped(*args, **kwargs):
+        with strict():
+            return fn(*args, **kwargs)
+    return wrapped
+
+
+def _image(seed: int) -> Image.Image:
+    rng = np.random.default_rng(seed)
+    return Image.fromarray(rng.integers(0, 256, (70, 120, 3), dtype=np.uint8))
+
+
+def test_step_launches_do_not_synchronise() -> None:
+    llm = LLM(model="demo/mllama-tiny", max_model_len=256, max_num_seqs=8,
+              limit_mm_per_prompt={"image": 2}, encoder_layers_per_step=2)
+    engine = llm.llm_engine
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=2)
+    image = {"prompt": "<|image|><|begin_of_text|>What is it", "multi_modal_data":
+             {"image": _image(0)}}
+    llm.generate([image, "warm up"], params, use_tqdm=False)  # first-use allocations
+    runner = engine.runner
+    runner.launch = _strictly(runner.launch)
+    runner.start_encoder_job = _strictly(runner.start_encoder_job)
+    runner.advance_encoder_job = _strictly(runner.advance_encoder_job)
+    engine.add_request("long", "A long text request", params)
+    engine.step()
+    engine.step()
+    engine.add_request("img", {"prompt": "<|image|><|image|><|begin_of_text|>Two of them",
+                               "multi_modal_data": {"image": [_image(1), _image(2)]}}, params)
+    engine.add_request("txt", "Another text request", params)
+    done = {}
+    for _ in range(200):
+        for o in engine.step():
+            if o.finished:
+                done[o.request_id] = o
+        if not engine.has_unfinished_requests():
+            break
+    assert set(done) == {"long", "img", "txt"}
+    assert all(o.error is None and len(o.outputs[0].token_ids) == 12 for o in done.values())
+    assert runner.stats.images_encoded_ahead >= 1

@@ -1,0 +1,31 @@
+#!/usr/bin/env bash
+# Serving benchmark on one GPU (11B shape, dummy bf16 weights): starts `vllm serve`, runs the
+# concurrency-32 workload with image arrivals, saves the result JSON and the server's /metrics.
+# Usage (repository root, offline GPU machine): bash tools/gpu_serving.sh [extra server args...]
+set -uo pipefail
+source tools/gpu_env.sh || exit 1
+PORT=${PORT:-8321}
+TAG=${TAG:-serving}
+python3 -m vllm.entrypoints.cli.main serve demo/mllama-11b --load-format dummy --dtype bfloat16 \
+  --max-model-len 4096 --max-num-seqs 64 --port "$PORT" "$@" >"$OUT/$TAG.server.log" 2>&1 &
+SRV=$!
+python3 - "$PORT" <<'PY' || { tail -30 "$OUT/$TAG.server.log"; kill $SRV; exit 1; }
+import sys, time, httpx
+url = f"http://127.0.0.1:{sys.argv[1]}/health"
+for _ in range(600):
+    try:
+        if httpx.get(url, timeout=2).status_code == 200:
+            sys.exit(0)
+    except httpx.HTTPError:
+        pass
+    time.sleep(0.5)
+sys.exit(1)
+PY
+python3 benchmarks/benchmark_serving.py --port "$PORT" --num-prompts 96 --max-concurrency 32 \
+  --input-len 200 --output-len 64 --image-ratio 0.5 --image-size 1120 \
+  --percentile-metrics ttft,tpot,itl,e2el --metric-percentiles 50,90,99 \
+  --save-result --save-detailed --result-dir "$OUT" --result-filename "$TAG.json" 2>&1 | tail -40
+python3 -c "import httpx,sys; print(httpx.get(f'http://127.0.0.1:{sys.argv[1]}/metrics').text)" "$PORT" \
+  >"$OUT/$TAG.metrics.txt"
+grep -E "^vllm:(cuda_graph_replays|eager_decode)" "$OUT/$TAG.metrics.txt"
+kill -TERM $SRV; wait $SRV
