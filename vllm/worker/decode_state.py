@@ -54,8 +54,10 @@ class DecodeRows:
 
     def release(self, row: int) -> None:
         assert 0 <= row < self.max_rows and row not in self.free_rows
-        self.positions[row] = -1
-        self.encoder_lens[row] = 0
+        # fill_ with a Python number launches a kernel; item assignment (t[row] = v) would copy
+        # a host scalar from pageable memory, which synchronises the stream.
+        self.positions[row:row + 1].fill_(-1)
+        self.encoder_lens[row:row + 1].fill_(0)
         self.free_rows.append(row)
 
     def load(self, row: int, block_table: list[int], cross_table: list[int],
@@ -68,8 +70,8 @@ class DecodeRows:
             ct[:len(cross_table)] = torch.tensor(cross_table, dtype=torch.int32)
         self.block_tables[row].copy_(to_device(bt, torch.int32, self.device))
         self.cross_tables[row].copy_(to_device(ct, torch.int32, self.device))
-        self.encoder_lens[row] = encoder_len
-        self.positions[row] = position
+        self.encoder_lens[row:row + 1].fill_(encoder_len)
+        self.positions[row:row + 1].fill_(position)
 
     def set_pages(self, updates: list[tuple[int, int, int]]) -> None:
         """(row, page index, page) writes for pages appended this step."""

@@ -11,7 +11,7 @@ tiles' tokens, with the *inputs* of the intermediate layers appended (Meta's ref
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -149,7 +149,10 @@ class GroupEncoding:
     num_valid: int
     total_layers: int
     next_layer: int = 0
-    features: list[torch.Tensor] = field(default_factory=list)  # intermediate-layer inputs
+    # [G, num_valid, D * (1 + k)]: the final hidden states, then the k intermediate-layer
+    # inputs interleaved per channel (channel c of feature j at D + c * k + j), written in place
+    # as each is produced (no stack and concatenation at the end).
+    out: torch.Tensor | None = None
 
 
 def _valid_first_order(num_tiles: int, max_tiles: int, tokens: int, padded: int,
@@ -207,6 +210,8 @@ class MllamaVisionModel(nn.Module):
         total = len(self.transformer.layers) + len(self.global_transformer.layers)
         state = GroupEncoding(x.reshape(g, t * pp, d)[:, order], order, aspect_ratio_ids,
                               num_tiles * s.tokens_per_tile, total)
+        k = len(s.intermediate_layers_indices)
+        state.out = x.new_empty(g, state.num_valid, d * (1 + k))
         if not self.transformer.layers:
             state.hidden = self._post_local(state.hidden, state)
         return state
@@ -220,7 +225,7 @@ class MllamaVisionModel(nn.Module):
         for i in range(state.next_layer, stop):
             if i < len(local):
                 if i in inter:
-                    state.features.append(x[:, :state.num_valid])
+                    self._store_feature(state, sorted(inter).index(i), x)
                 x = local[i](x, state.num_valid)
                 if i == len(local) - 1:
                     x = self._post_local(x, state)
@@ -236,11 +241,18 @@ class MllamaVisionModel(nn.Module):
         post = self.post_tile_positional_embedding(state.aspect_ratio_ids)  # [G, T, D]
         return x + post[:, tile_of_token]
 
+    def _store_feature(self, state: GroupEncoding, j: int, x: torch.Tensor) -> None:
+        assert state.out is not None
+        g, n, d = x.shape[0], state.num_valid, x.shape[-1]
+        k = len(self.spec.intermediate_layers_indices)
+        state.out[:, :, d:].view(g, n, d, k)[..., j].copy_(x[:, :n])
+
     def finish_group(self, state: GroupEncoding) -> torch.Tensor:
         assert state.next_layer == state.total_layers, "finish_group before the last layer"
-        g, n = state.hidden.shape[0], state.num_valid
-        stacked = torch.stack(state.features, dim=-1).reshape(g, n, -1)
-        return torch.cat((state.hidden[:, :n], stacked), dim=-1)
+        assert state.out is not None
+        d = state.hidden.shape[-1]
+        state.out[:, :, :d].copy_(state.hidden[:, :state.num_valid])
+        return state.out
 
     def forward(self, pixel_values: torch.Tensor, aspect_ratio_ids: torch.Tensor,
                 num_tiles: list[int]) -> torch.Tensor:
