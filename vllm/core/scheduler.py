@@ -152,7 +152,10 @@ class Scheduler:
     def _schedule_lookahead(self) -> SchedulerOutput | None:
         if (self.waiting and not self._decode_turn()
                 and not all(self.needs_encoding(r) for r in self.waiting)):
-            return None  # an admission decision is due: collect first
+            # An admission is due. While interleaving it is made without the in-flight results
+            # (conservatively: sequences finishing in flight still count), so the host launches
+            # the prefill while the GPU still runs the previous step; None if it does not fit.
+            return self._schedule_prefill() if self.interleaving else None
         seqs = self._decode_candidates()
         need = sum(1 for s in seqs if self.bm.needs_new_page(s))
         if not seqs or need > self.bm.pool.num_free:

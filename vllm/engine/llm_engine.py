@@ -77,6 +77,7 @@ class LLMEngine:
         self.async_scheduling = async_scheduling
         self._pending: StepHandle | None = None
         self._encoder_job: EncoderJob | None = None
+        self._after_prefill = False  # the last launched step was a prefill
         self._last_log = time.monotonic()
         self._tokens_since_log = [0, 0]
         self._host_at_log = (0.0, 0)
@@ -176,6 +177,10 @@ class LLMEngine:
         for s in out.prefill_seqs:
             if s.request.first_scheduled_time is None:
                 s.request.first_scheduled_time = now
+        if out.is_prefill and self.scheduler.running:
+            # The GPU encodes while the host launches the (eager) prefill; the decode step
+            # right after a prefill then carries no encoder work.
+            outputs += self._advance_encoder()
         try:
             handle = self.runner.launch(out)
         except Exception as e:  # attributed below, or re-raised
@@ -185,9 +190,10 @@ class LLMEngine:
         for s in handle.result.seqs:
             s.inflight += 1
         previous, self._pending = self._pending, handle
-        if not out.is_prefill:
+        if not out.is_prefill and not self._after_prefill:
             # Queued after the step's results, so reading them does not wait for it.
             outputs += self._advance_encoder()
+        self._after_prefill = out.is_prefill
         if previous is not None:
             outputs += self._collect(previous)
         if not self.async_scheduling:
