@@ -146,3 +146,47 @@ def rotary_inplace(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
     _rope_kernel[(t,)](q, k, positions, cos_cache, sin_cache, q.stride(0), k.stride(0),
                        cos_cache.stride(0), nq, nk, HALF=head_dim // 2, HEAD_DIM=head_dim,
                        BLOCK_H=triton.next_power_of_2(max(nq, nk)))
+
+
+@triton.jit
+def _add_layer_norm_kernel(x_ptr, d_ptr, g_ptr, w_ptr, b_ptr, sum_ptr, out_ptr, n_cols,
+                           x_stride, d_stride, s_stride, o_stride, eps,
+                           HAS_DELTA: tl.constexpr, HAS_GATE: tl.constexpr,
+                           BLOCK: tl.constexpr):
+    row = tl.program_id(0)
+    cols = tl.arange(0, BLOCK)
+    m = cols < n_cols
+    x = tl.load(x_ptr + row * x_stride + cols, mask=m, other=0.0)
+    if HAS_DELTA:
+        d = tl.load(d_ptr + row * d_stride + cols, mask=m, other=0.0)
+        if HAS_GATE:  # rounded like the reference's separate multiply
+            d = (tl.load(g_ptr).to(tl.float32) * d.to(tl.float32)).to(x.dtype)
+        x = (x.to(tl.float32) + d.to(tl.float32)).to(x.dtype)
+        tl.store(sum_ptr + row * s_stride + cols, x, mask=m)
+    xf = x.to(tl.float32)
+    mean = tl.sum(xf, axis=0) / n_cols
+    diff = tl.where(m, xf - mean, 0.0)
+    rstd = 1.0 / tl.sqrt(tl.sum(diff * diff, axis=0) / n_cols + eps)
+    w = tl.load(w_ptr + cols, mask=m, other=0.0).to(tl.float32)
+    b = tl.load(b_ptr + cols, mask=m, other=0.0).to(tl.float32)
+    tl.store(out_ptr + row * o_stride + cols, (diff * rstd * w + b).to(x.dtype), mask=m)
+
+
+def add_layer_norm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, eps: float,
+                   delta: torch.Tensor | None = None,
+                   gate: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(s, layer_norm(s)) with s = x + gate * delta (x itself without ``delta``), in one launch.
+
+    x, delta: [..., H] with contiguous rows; gate: [1]. ``s`` is rounded exactly as the torch
+    ops ``x + gate * delta`` round it; the norm is float32 math like ``F.layer_norm``."""
+    h = x.shape[-1]
+    x2 = x.reshape(-1, h)
+    d2 = delta.reshape(-1, h) if delta is not None else x2
+    s = torch.empty_like(x2) if delta is not None else x2
+    out = torch.empty_like(x2)
+    block = triton.next_power_of_2(h)
+    _add_layer_norm_kernel[(x2.shape[0],)](
+        x2, d2, gate if gate is not None else x2, weight, bias, s, out, h, x2.stride(0),
+        d2.stride(0), s.stride(0), out.stride(0), eps, HAS_DELTA=delta is not None,
+        HAS_GATE=gate is not None, BLOCK=block, num_warps=min(max(block // 256, 1), 16))
+    return s.view(x.shape), out.view(x.shape)

@@ -87,14 +87,39 @@ class VisionEncoderLayer(nn.Module):
             self.gate_ffn = nn.Parameter(torch.zeros(1), requires_grad=False)
 
     def forward(self, x: torch.Tensor, num_valid: int) -> torch.Tensor:
-        h = self.self_attn(self.input_layernorm(x), num_valid)
-        if self.gated:
-            h = self.gate_attn.tanh() * h
-        x = x + h
-        h = self.mlp(self.post_attention_layernorm(x))
-        if self.gated:
-            h = self.gate_ffn.tanh() * h
-        return x + h
+        return _apply(*self.forward_pending(x, None, None, num_valid))
+
+    def forward_pending(self, x: torch.Tensor, delta: torch.Tensor | None,
+                        gate: torch.Tensor | None, num_valid: int
+                        ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """Adds the previous layer's pending branch (``gate * delta``) and runs this layer.
+        Returns (residual, MLP branch, its gate) with the branch not yet added, so the next
+        norm can take the addition in the same kernel."""
+        x, y = _add_norm(self.input_layernorm, x, delta, gate)
+        h = self.self_attn(y, num_valid)
+        x, y = _add_norm(self.post_attention_layernorm, x, h,
+                         self.gate_attn.tanh() if self.gated else None)
+        return x, self.mlp(y), self.gate_ffn.tanh() if self.gated else None
+
+
+def _apply(x: torch.Tensor, delta: torch.Tensor | None,
+           gate: torch.Tensor | None) -> torch.Tensor:
+    """x + gate * delta, as the reference computes a (gated) residual branch."""
+    if delta is None:
+        return x
+    return x + (gate * delta if gate is not None else delta)
+
+
+def _add_norm(norm: nn.LayerNorm, x: torch.Tensor, delta: torch.Tensor | None,
+              gate: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(x + gate * delta, norm of it): one Triton kernel on CUDA (the sum rounded as torch
+    rounds it), the torch operations elsewhere."""
+    if x.is_cuda:
+        from vllm.model_executor.layers.fused_kernels import add_layer_norm
+
+        return add_layer_norm(x, norm.weight, norm.bias, norm.eps, delta, gate)
+    x = _apply(x, delta, gate)
+    return x, norm(x)
 
 
 class VisionEncoder(nn.Module):
@@ -153,6 +178,9 @@ class GroupEncoding:
     # inputs interleaved per channel (channel c of feature j at D + c * k + j), written in place
     # as each is produced (no stack and concatenation at the end).
     out: torch.Tensor | None = None
+    # The last layer's residual branch, not yet added to ``hidden`` (hidden + gate * delta).
+    delta: torch.Tensor | None = None
+    gate: torch.Tensor | None = None
 
 
 def _valid_first_order(num_tiles: int, max_tiles: int, tokens: int, padded: int,
@@ -221,17 +249,20 @@ class MllamaVisionModel(nn.Module):
         local = self.transformer.layers
         inter = self.spec.intermediate_layers_indices
         stop = min(state.next_layer + num_layers, state.total_layers)
-        x = state.hidden
+        x, delta, gate = state.hidden, state.delta, state.gate
         for i in range(state.next_layer, stop):
             if i < len(local):
                 if i in inter:
+                    x, delta, gate = _apply(x, delta, gate), None, None
                     self._store_feature(state, sorted(inter).index(i), x)
-                x = local[i](x, state.num_valid)
+                x, delta, gate = local[i].forward_pending(x, delta, gate, state.num_valid)
                 if i == len(local) - 1:
-                    x = self._post_local(x, state)
+                    x = self._post_local(_apply(x, delta, gate), state)
+                    delta = gate = None
             else:
-                x = self.global_transformer.layers[i - len(local)](x, state.num_valid)
-        state.hidden, state.next_layer = x, stop
+                layer = self.global_transformer.layers[i - len(local)]
+                x, delta, gate = layer.forward_pending(x, delta, gate, state.num_valid)
+        state.hidden, state.delta, state.gate, state.next_layer = x, delta, gate, stop
         return stop == state.total_layers
 
     def _post_local(self, x: torch.Tensor, state: GroupEncoding) -> torch.Tensor:
@@ -250,8 +281,9 @@ class MllamaVisionModel(nn.Module):
     def finish_group(self, state: GroupEncoding) -> torch.Tensor:
         assert state.next_layer == state.total_layers, "finish_group before the last layer"
         assert state.out is not None
-        d = state.hidden.shape[-1]
-        state.out[:, :, :d].copy_(state.hidden[:, :state.num_valid])
+        hidden = _apply(state.hidden, state.delta, state.gate)
+        d = hidden.shape[-1]
+        state.out[:, :, :d].copy_(hidden[:, :state.num_valid])
         return state.out
 
     def forward(self, pixel_values: torch.Tensor, aspect_ratio_ids: torch.Tensor,
