@@ -177,8 +177,10 @@ def add_layer_norm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, ep
                    gate: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """(s, layer_norm(s)) with s = x + gate * delta (x itself without ``delta``), in one launch.
 
-    x, delta: [..., H] with contiguous rows; gate: [1]. ``s`` is rounded exactly as the torch
-    ops ``x + gate * delta`` round it; the norm is float32 math like ``F.layer_norm``."""
+    x, delta: [..., H] with contiguous rows; gate: [1]. Without a gate ``s`` is rounded exactly
+    as ``x + delta`` is in torch; with one, the compiler may fuse the multiply into the add (one
+    rounding fewer than the two torch ops, measured within one ulp on an H200). The norm is
+    float32 math like ``F.layer_norm``. Eager and graph-captured calls run the same kernel."""
     h = x.shape[-1]
     x2 = x.reshape(-1, h)
     d2 = delta.reshape(-1, h) if delta is not None else x2
