@@ -316,3 +316,20 @@ def test_vllm_bench_cli_uses_these_modules() -> None:
     assert args.input_len == 7 and args.max_model_len == 64 and args.num_iters == 30
     args = parser.parse_args(["bench", "throughput", "--num-prompts", "5"])
     assert args.num_prompts == 5 and args.image_ratio == 1.0
+
+
+def test_closed_loop_interleave_smoke(tmp_path: Path) -> None:
+    """benchmarks/benchmark_interleave.py on the tiny model: a JSON with ITL percentiles and
+    a step trace whose steps add up to the work done."""
+    out = tmp_path / "il.json"
+    root = Path(__file__).resolve().parents[2]
+    proc = subprocess.run([sys.executable, "benchmark_interleave.py", "--smoke", "--out",
+                           str(out)], cwd=root / "benchmarks", capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    rec = json.loads(out.read_text())
+    assert rec["itl_ms"]["50"] > 0 and rec["ttft_ms"]["99"] >= rec["ttft_ms"]["50"]
+    assert rec["graph_replay_fraction"] == 1.0
+    kinds = {s["kind"] for s in rec["trace"]}
+    assert kinds == {"prefill", "decode"}
+    assert sum(s["seqs"] for s in rec["trace"] if s["kind"] == "prefill") == 8

@@ -19,9 +19,9 @@ BENCH_SUBCOMMANDS = {
 
 
 def _bench_module(name: str) -> ModuleType | None:
-    # TODO(bench owner): vllm/entrypoints/cli/benchmark/{latency,throughput,serve}.py are
-    # written separately. Contract: each module defines ``main(args: argparse.Namespace)``
-    # and may define ``add_cli_args(parser: argparse.ArgumentParser)`` for its flags; without
+    # Contract: each module in vllm/entrypoints/cli/benchmark/ defines
+    # ``main(args: argparse.Namespace)`` and may define
+    # ``add_cli_args(parser: argparse.ArgumentParser)`` for its flags; without
     # ``add_cli_args`` its arguments arrive unparsed in ``args.bench_args``.
     try:
         return importlib.import_module(f"vllm.entrypoints.cli.benchmark.{name}")
