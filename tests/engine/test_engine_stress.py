@@ -63,6 +63,7 @@ def test_random_workload_with_preemption_and_aborts(seed: int) -> None:
         assert steps < 5000
         engine.check_integrity()
     assert engine.scheduler.num_preemptions > 0
+    assert engine.runner.stats.images_encoded_ahead > 0  # interleaved admission was exercised
     assert engine.block_manager.pool.usage() == 0.0
     rows = engine.runner.rows
     assert len(rows.free_rows) == rows.max_rows

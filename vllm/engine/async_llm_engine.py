@@ -148,6 +148,8 @@ class AsyncLLMEngine:
             "num_preemptions": sched.num_preemptions,
             "graph_replays": dict(runner.stats.graph_replays),
             "eager_decode_steps": runner.stats.eager_decode_steps,
+            "images_encoded_ahead": runner.stats.images_encoded_ahead,
+            "encoder_steps": runner.stats.encoder_chunks,
         }
 
     # ------------------------------------------------------------------ engine thread

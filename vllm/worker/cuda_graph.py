@@ -24,7 +24,6 @@ from typing import TYPE_CHECKING
 import torch
 
 from vllm.logger import init_logger
-from vllm.utils import to_device
 
 if TYPE_CHECKING:
     from vllm.worker.model_runner import ModelRunner
@@ -117,8 +116,13 @@ class DecodeGraphRunner:
         bs = self.bucket_for(n)
         family = CROSS if cross else TEXT
         rows = row_ids + [self.null_row] * (bs - n)
-        # A fresh pinned buffer per step: an in-flight step may still be reading the last one.
-        self.static_rows[:bs].copy_(to_device(rows, torch.int64, self.device))
+        if self.device.type == "cuda":
+            # One host->device copy straight into the static buffer, from a fresh pinned
+            # tensor (the caching host allocator keeps it until the copy has run).
+            pinned = torch.tensor(rows, dtype=torch.int64, pin_memory=True)
+            self.static_rows[:bs].copy_(pinned, non_blocking=True)
+        else:
+            self.static_rows[:bs].copy_(torch.tensor(rows, dtype=torch.int64))
         if self.device.type == "cuda":
             self.graphs[(family, bs)].replay()
             logits = self.static_logits[:bs]

@@ -45,6 +45,7 @@ class DecodeRows:
         self.cross_tables = torch.zeros(n, max(max_cross_pages, 1), dtype=torch.int32,
                                         device=device)
         self.encoder_lens = torch.zeros(n, dtype=torch.int32, device=device)
+        self._ones = torch.ones(n, dtype=torch.int64, device=device)
         self.free_rows = list(range(max_rows - 1, -1, -1))
 
     def acquire(self) -> int:
@@ -102,7 +103,7 @@ class DecodeRows:
     def advance(self, rows: torch.Tensor, sampled: torch.Tensor) -> None:
         """Writes the sampled tokens into their rows and moves positions one step on."""
         self.tokens.index_copy_(0, rows, sampled)
-        self.positions.index_add_(0, rows, torch.ones_like(rows))
+        self.positions.index_add_(0, rows, self._ones[:rows.shape[0]])
 
     def set_tokens(self, rows: torch.Tensor, sampled: torch.Tensor) -> None:
         self.tokens.index_copy_(0, rows, sampled)

@@ -115,6 +115,9 @@ class ModelRunner:
         self.graphs = None  # DecodeGraphRunner, when not enforce_eager
         self.vision_graphs = None  # VisionGraphRunner, on CUDA when not enforce_eager
         self.stats = RunnerStats()
+        ring = config.scheduler_config.max_num_seqs if self.device.type == "cuda" else 0
+        self._sampled_ring = [torch.empty(ring, dtype=torch.int64, pin_memory=ring > 0)
+                              for _ in range(3)]
         if self.device.type == "cuda" and not mc.enforce_eager:
             self._capture_vision()
 
@@ -327,7 +330,13 @@ class ModelRunner:
             buf = torch.empty(t[:n].shape, dtype=t.dtype, pin_memory=pin)
             return buf.copy_(t[:n], non_blocking=True)
 
-        sampled = to_host(out.sampled_token_ids)
+        if pin and n <= self._sampled_ring[0].shape[0]:
+            # Sampled ids go to a ring of pinned buffers (no allocation per step): a buffer
+            # is reused three launches later, after its step has been collected.
+            buf = self._sampled_ring[self.stats.steps % len(self._sampled_ring)][:n]
+            sampled = buf.copy_(out.sampled_token_ids[:n], non_blocking=True)
+        else:
+            sampled = to_host(out.sampled_token_ids)
         logprobs = None
         if out.logprobs is not None:
             assert out.logprob_token_ids is not None and out.sampled_ranks is not None

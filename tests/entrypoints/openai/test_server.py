@@ -288,6 +288,8 @@ def test_metrics_move(server: RunningServer, client: openai.OpenAI) -> None:
         assert 0.0 <= after[(gauge, label)] <= 16
     assert ("vllm:num_preemptions_total", label) in after
     assert ("vllm:eager_decode_steps_total", label) in after
+    for name in ("vllm:images_encoded_ahead_total", "vllm:encoder_steps_total"):
+        assert after[(name, label)] >= before.get((name, label), 0.0) >= 0, name
     replays = [k for k in after if k[0] == "vllm:cuda_graph_replays_total"]
     eager = after[("vllm:eager_decode_steps_total", label)]
     assert replays or eager > 0  # decode ran either through a graph bucket or eagerly

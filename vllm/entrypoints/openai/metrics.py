@@ -162,6 +162,16 @@ class _EngineCollector(Collector):
             "Decode steps run eagerly (no CUDA graph).",
             stats.get("eager_decode_steps", 0),
         )
+        yield self._counter(
+            "vllm:images_encoded_ahead",
+            "Requests whose images were encoded over decode steps before their prefill.",
+            stats.get("images_encoded_ahead", 0),
+        )
+        yield self._counter(
+            "vllm:encoder_steps",
+            "Steps that also advanced an image encoding (interleaved prefill).",
+            stats.get("encoder_steps", 0),
+        )
         replays = CounterMetricFamily(
             "vllm:cuda_graph_replays",
             "Decode CUDA-graph replays per graph family and batch bucket.",
