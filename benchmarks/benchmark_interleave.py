@@ -31,8 +31,9 @@ def main() -> None:
     ap.add_argument("--dtype", default="auto")
     ap.add_argument("--max-model-len", type=int, default=4096)
     ap.add_argument("--max-num-seqs", type=int, default=64)
-    ap.add_argument("--decode-interleave-tokens", type=int, default=None)
-    ap.add_argument("--encoder-layers-per-step", type=int, default=None)
+    # The server's defaults (the LLM class alone would prefill first).
+    ap.add_argument("--decode-interleave-tokens", type=int, default=256)
+    ap.add_argument("--encoder-layers-per-step", type=int, default=4)
     ap.add_argument("--concurrency", type=int, default=32)
     ap.add_argument("--num-requests", type=int, default=96)
     ap.add_argument("--input-len", type=int, default=200)
@@ -44,8 +45,7 @@ def main() -> None:
     if args.smoke:
         args.model, args.max_model_len, args.max_num_seqs = "demo/mllama-tiny", 256, 8
         args.concurrency, args.num_requests, args.input_len, args.output_len = 4, 8, 24, 6
-    kw = {k: getattr(args, k) for k in ("decode_interleave_tokens", "encoder_layers_per_step")
-          if getattr(args, k) is not None}
+    kw = {k: getattr(args, k) for k in ("decode_interleave_tokens", "encoder_layers_per_step")}
     llm = LLM(model=args.model, load_format=args.load_format, dtype=args.dtype,
               max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs, **kw)
     engine = llm.llm_engine

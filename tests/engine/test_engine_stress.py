@@ -41,7 +41,8 @@ def test_random_workload_with_preemption_and_aborts(seed: int) -> None:
     rng = random.Random(seed)
     work = [_request(rng, i) for i in range(28)]
     tight = LLM(model="demo/mllama-tiny", max_model_len=192, max_num_seqs=8,
-                limit_mm_per_prompt={"image": 2}, num_gpu_blocks_override=40)
+                limit_mm_per_prompt={"image": 2}, num_gpu_blocks_override=40,
+                decode_interleave_tokens=256, encoder_layers_per_step=4)  # the server's mode
     engine = tight.llm_engine
     aborted: set[str] = set()
     finished = {}

@@ -117,7 +117,7 @@ def test_bounded_prefill_between_tokens(async_scheduling: bool) -> None:
 
 def test_encoding_ahead_only_while_busy() -> None:
     """An idle engine prefills image requests at once (encoding inside the prefill)."""
-    llm = _llm()
+    llm = _llm(decode_interleave_tokens=256, encoder_layers_per_step=4)
     out = llm.generate([_image_prompt(5), _text_prompt(6)], SHORT, use_tqdm=False)
     assert all(len(o.outputs[0].token_ids) == 8 for o in out)
     assert llm.llm_engine.runner.stats.images_encoded_ahead == 0
@@ -125,7 +125,7 @@ def test_encoding_ahead_only_while_busy() -> None:
 
 
 def test_abort_while_encoding_ahead() -> None:
-    llm = _llm(encoder_layers_per_step=1)
+    llm = _llm(decode_interleave_tokens=256, encoder_layers_per_step=1)
     engine = llm.llm_engine
     engine.add_request("long", _text_prompt(0), LONG)
     engine.step()
@@ -149,3 +149,15 @@ def test_abort_while_encoding_ahead() -> None:
 def test_flags_validated() -> None:
     with pytest.raises(ValueError, match="encoder_layers_per_step"):
         _llm(encoder_layers_per_step=-1)
+
+
+def test_offline_default_is_prefill_first() -> None:
+    """The LLM class defaults to prefill-first (throughput); the engine args default (the
+    server's) interleaves."""
+    from vllm.engine.arg_utils import EngineArgs
+
+    sc = _llm().llm_engine.config.scheduler_config
+    assert (sc.decode_interleave_tokens, sc.encoder_layers_per_step) == (0, 0)
+    served = EngineArgs(model="demo/mllama-tiny", max_model_len=256).create_engine_config()
+    sc = served.scheduler_config
+    assert (sc.decode_interleave_tokens, sc.encoder_layers_per_step) == (256, 4)

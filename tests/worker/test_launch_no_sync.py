@@ -43,7 +43,8 @@ def _image(seed: int) -> Image.Image:
 
 def test_step_launches_do_not_synchronise() -> None:
     llm = LLM(model="demo/mllama-tiny", max_model_len=256, max_num_seqs=8,
-              limit_mm_per_prompt={"image": 2}, encoder_layers_per_step=2)
+              limit_mm_per_prompt={"image": 2}, decode_interleave_tokens=256,
+              encoder_layers_per_step=2)
     engine = llm.llm_engine
     params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=2)
     image = {"prompt": "<|image|><|begin_of_text|>What is it", "multi_modal_data":

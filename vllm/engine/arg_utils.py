@@ -73,8 +73,10 @@ class EngineArgs:
     max_num_seqs: int | None = None
     max_num_batched_tokens: int | None = None
     max_num_encoder_tiles: int | None = None
-    decode_interleave_tokens: int = 256
-    encoder_layers_per_step: int = 4
+    # None: the serving defaults (256, 4); the offline ``LLM`` class passes 0 (prefill first,
+    # for throughput), as vLLM picks some scheduler defaults by usage context.
+    decode_interleave_tokens: int | None = None
+    encoder_layers_per_step: int | None = None
     gpu_memory_utilization: float = 0.9
     enforce_eager: bool = False
     cuda_graph_sizes: list[int] | None = None
@@ -209,13 +211,15 @@ class EngineArgs:
                 f"max_num_encoder_tiles ({tiles}) cannot encode one request with "
                 f"{limit_images} image(s) of {max_tiles} tiles; raise it or lower "
                 "--limit-mm-per-prompt")
-        for name in ("decode_interleave_tokens", "encoder_layers_per_step"):
-            if getattr(self, name) < 0:
-                raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
+        interleave = {"decode_interleave_tokens": 256, "encoder_layers_per_step": 4}
+        for name, default in interleave.items():
+            value = getattr(self, name)
+            interleave[name] = default if value is None else value
+            if interleave[name] < 0:
+                raise ValueError(f"{name} must be >= 0, got {value}")
         return SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=batched,
                                max_model_len=max_model_len, max_num_encoder_tiles=tiles,
-                               decode_interleave_tokens=self.decode_interleave_tokens,
-                               encoder_layers_per_step=self.encoder_layers_per_step)
+                               **interleave)
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

@@ -109,12 +109,14 @@ _FLAG_SPECS: dict[str, dict[str, Any]] = {
         "type": int,
         "help": "While sequences decode, a prefill step carries at most this many prompt "
         "tokens (at least one request) and a decode step follows it, bounding the gap between "
-        "two tokens of a running request. 0: prefill first, whole batches.",
+        "two tokens of a running request. 0: prefill first, whole batches. Default 256 "
+        "(the offline LLM class: 0).",
     },
     "encoder_layers_per_step": {
         "type": int,
         "help": "While sequences decode, images of waiting requests are encoded this many "
-        "image-layers per decode step, ahead of their prefill. 0: encode inside the prefill.",
+        "image-layers per decode step, ahead of their prefill. 0: encode inside the prefill. "
+        "Default 4 (the offline LLM class: 0).",
     },
     "gpu_memory_utilization": {
         "type": float,

@@ -25,6 +25,9 @@ class LLM:
                  gpu_memory_utilization: float = 0.9, disable_log_stats: bool = True,
                  **kwargs: Any) -> None:
         kwargs.pop("trust_remote_code", None)
+        # Offline batches want throughput: prefill first unless asked otherwise.
+        kwargs.setdefault("decode_interleave_tokens", 0)
+        kwargs.setdefault("encoder_layers_per_step", 0)
         args = EngineArgs(model=model, tokenizer=tokenizer, dtype=dtype, seed=seed,
                           enforce_eager=enforce_eager,
                           gpu_memory_utilization=gpu_memory_utilization,
