@@ -72,6 +72,26 @@ def _pixels_to(pixels: list[torch.Tensor], device: torch.device) -> torch.Tensor
     return to_device(cpu, cpu.dtype, device)
 
 
+class _Upload:
+    """Integer host arrays sent to the device in one copy (one pinned buffer), then split and
+    cast there: a prefill step has a dozen small inputs, and each separate upload costs host
+    time in the eager step."""
+
+    def __init__(self) -> None:
+        self._parts: list[tuple[torch.Tensor, torch.dtype, torch.Size]] = []
+
+    def add(self, values, dtype: torch.dtype = torch.int64) -> int:
+        t = torch.as_tensor(values, dtype=torch.int64)
+        self._parts.append((t.reshape(-1), dtype, t.shape))
+        return len(self._parts) - 1
+
+    def to(self, device: torch.device) -> list[torch.Tensor]:
+        flat = torch.cat([p for p, _, _ in self._parts])
+        pieces = to_device(flat, torch.int64, device).split([p.numel() for p, _, _ in self._parts])
+        return [x.view(shape) if dtype == torch.int64 else x.to(dtype).view(shape)
+                for x, (_, dtype, shape) in zip(pieces, self._parts, strict=True)]
+
+
 def _pad_tables(tables: list[list[int]], width: int) -> torch.Tensor:
     out = torch.zeros(len(tables), max(width, 1), dtype=torch.int32)
     for i, t in enumerate(tables):
@@ -134,37 +154,45 @@ def build_prefill_batch(items: list[PrefillItem], block_size: int, cross_block_s
     for n in seq_lens:
         starts.append(starts[-1] + n)
 
-    def t(values, dtype=torch.int64):
-        return to_device(values, dtype, device)
+    up = _Upload()
+    h_ids, h_pos, h_slots = up.add(ids), up.add(positions), up.add(torch.cat(slots))
+    h_lens, h_starts = up.add(seq_lens, torch.int32), up.add(starts, torch.int32)
+    h_enc = up.add(enc_lens, torch.int32)
+    width = max(len(i.cross_block_table) for i in items)
+    h_tables = up.add(_pad_tables([i.cross_block_table for i in items], width), torch.int32)
+    h_ranges = up.add(torch.tensor(ranges, dtype=torch.int64).view(-1, 2), torch.int32)
+    h_src = up.add(torch.cat(cross_src)) if cross_src else None
+    h_cslots = up.add(torch.cat(cross_slots)) if cross_slots else None
+    h_last = up.add([s - 1 for s in starts[1:]])
+    h_ar = up.add(torch.cat(ar_ids)) if ar_ids else None
+    dev = up.to(device)
 
     md = AttentionMetadata(
         is_prefill=True,
         num_seqs=len(items),
         num_tokens=len(ids),
-        slot_mapping=t(torch.cat(slots)),
-        seq_lens_tensor=t(seq_lens, torch.int32),
+        slot_mapping=dev[h_slots],
+        seq_lens_tensor=dev[h_lens],
         max_seq_len=max(seq_lens),
         block_tables=torch.zeros(len(items), 1, dtype=torch.int32, device=device),  # unused
-        query_start_loc=t(starts, torch.int32),
+        query_start_loc=dev[h_starts],
         seq_lens=seq_lens,
         encoder_seq_lens=enc_lens,
-        encoder_seq_lens_tensor=t(enc_lens, torch.int32),
+        encoder_seq_lens_tensor=dev[h_enc],
         max_encoder_seq_len=max(enc_lens),
-        cross_block_tables=t(_pad_tables([i.cross_block_table for i in items],
-                                         max(len(i.cross_block_table) for i in items)),
-                             torch.int32),
-        cross_kv_ranges=t(ranges, torch.int32).view(-1, 2),
+        cross_block_tables=dev[h_tables],
+        cross_kv_ranges=dev[h_ranges],
         cross_range_runs=runs,
-        cross_cache_src=t(torch.cat(cross_src)) if cross_src else None,
-        cross_slot_mapping=t(torch.cat(cross_slots)) if cross_slots else None,
+        cross_cache_src=dev[h_src] if h_src is not None else None,
+        cross_slot_mapping=dev[h_cslots] if h_cslots is not None else None,
     )
     return PrefillBatch(
-        input_ids=t(ids),
-        positions=t(positions),
+        input_ids=dev[h_ids],
+        positions=dev[h_pos],
         metadata=md,
-        logits_indices=t([s - 1 for s in starts[1:]]),
+        logits_indices=dev[h_last],
         pixel_values=_pixels_to(pixel, device),
-        aspect_ratio_ids=to_device(torch.cat(ar_ids), torch.int64, device) if ar_ids else None,
+        aspect_ratio_ids=dev[h_ar] if h_ar is not None else None,
         num_tiles=num_tiles,
         vision_parts=parts if any(e is not None for e, _ in parts) else [],
     )
