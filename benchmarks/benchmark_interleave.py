@@ -34,6 +34,7 @@ def main() -> None:
     # The server's defaults (the LLM class alone would prefill first).
     ap.add_argument("--decode-interleave-tokens", type=int, default=256)
     ap.add_argument("--encoder-layers-per-step", type=int, default=4)
+    ap.add_argument("--prefill-layers-per-step", type=int, default=0)
     ap.add_argument("--concurrency", type=int, default=32)
     ap.add_argument("--num-requests", type=int, default=96)
     ap.add_argument("--input-len", type=int, default=200)
@@ -45,7 +46,8 @@ def main() -> None:
     if args.smoke:
         args.model, args.max_model_len, args.max_num_seqs = "demo/mllama-tiny", 256, 8
         args.concurrency, args.num_requests, args.input_len, args.output_len = 4, 8, 24, 6
-    kw = {k: getattr(args, k) for k in ("decode_interleave_tokens", "encoder_layers_per_step")}
+    kw = {k: getattr(args, k) for k in ("decode_interleave_tokens", "encoder_layers_per_step",
+                                        "prefill_layers_per_step")}
     llm = LLM(model=args.model, load_format=args.load_format, dtype=args.dtype,
               max_model_len=args.max_model_len, max_num_seqs=args.max_num_seqs, **kw)
     engine = llm.llm_engine

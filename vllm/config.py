@@ -79,6 +79,8 @@ class SchedulerConfig:
     prompt tokens (always at least one request) and is followed by a decode step, and images
     of waiting requests are encoded ``encoder_layers_per_step`` image-layers per decode step
     before their prefill. Either set to 0 restores the prefill-first behaviour for its part.
+    With ``prefill_layers_per_step`` > 0 an interleaved prefill is itself spread over the
+    decode steps that follow its admission, that many text layers each.
     """
 
     max_num_seqs: int = 256
@@ -87,6 +89,7 @@ class SchedulerConfig:
     max_num_encoder_tiles: int = 16  # per-step vision budget; each image costs max_num_tiles
     decode_interleave_tokens: int = 256
     encoder_layers_per_step: int = 4
+    prefill_layers_per_step: int = 0  # while interleaving: spread a prefill over decode steps
 
 
 @dataclass(frozen=True)

@@ -36,13 +36,14 @@ def _request(rng: random.Random, i: int) -> tuple[dict | str, SamplingParams]:
     return prompt, params
 
 
-@pytest.mark.parametrize("seed", [0, 1])
-def test_random_workload_with_preemption_and_aborts(seed: int) -> None:
+@pytest.mark.parametrize("seed,spread,pages", [(0, 0, 40), (1, 0, 40), (0, 1, 24)])
+def test_random_workload_with_preemption_and_aborts(seed: int, spread: int, pages: int) -> None:
     rng = random.Random(seed)
     work = [_request(rng, i) for i in range(28)]
     tight = LLM(model="demo/mllama-tiny", max_model_len=192, max_num_seqs=8,
-                limit_mm_per_prompt={"image": 2}, num_gpu_blocks_override=40,
-                decode_interleave_tokens=256, encoder_layers_per_step=4)  # the server's mode
+                limit_mm_per_prompt={"image": 2}, num_gpu_blocks_override=pages,
+                decode_interleave_tokens=256, encoder_layers_per_step=4,  # the server's mode
+                prefill_layers_per_step=spread)
     engine = tight.llm_engine
     aborted: set[str] = set()
     finished = {}
@@ -65,6 +66,8 @@ def test_random_workload_with_preemption_and_aborts(seed: int) -> None:
         engine.check_integrity()
     assert engine.scheduler.num_preemptions > 0
     assert engine.runner.stats.images_encoded_ahead > 0  # interleaved admission was exercised
+    assert (engine.runner.stats.spread_prefills > 0) == bool(spread)
+    assert engine.runner.prefill_job is None and engine.scheduler.sliced_prefill is None
     assert engine.block_manager.pool.usage() == 0.0
     rows = engine.runner.rows
     assert len(rows.free_rows) == rows.max_rows

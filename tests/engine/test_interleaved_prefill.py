@@ -161,3 +161,48 @@ def test_offline_default_is_prefill_first() -> None:
     served = EngineArgs(model="demo/mllama-tiny", max_model_len=256).create_engine_config()
     sc = served.scheduler_config
     assert (sc.decode_interleave_tokens, sc.encoder_layers_per_step) == (256, 4)
+
+
+@pytest.mark.parametrize("async_scheduling", [True, False])
+def test_spread_prefill_matches_one_step(async_scheduling: bool) -> None:
+    """--prefill-layers-per-step: admitted prefills run a layer per decode step; the request
+    does not decode before its prefill is done, and outputs equal the one-step prefill."""
+    flags = dict(decode_interleave_tokens=64, encoder_layers_per_step=2,
+                 async_scheduling=async_scheduling)
+    spread = _llm(prefill_layers_per_step=1, **flags)
+    finished, log = _run_busy(spread, LATE)
+    stats = spread.llm_engine.runner.stats
+    assert stats.spread_prefills >= len(LATE)
+    for rid in ("img", "txt1"):  # the prefill launch comes several decode steps after
+        i = log.first_prefill(rid)
+        assert not any(rid in ids for _, ids, _ in log.steps[:i])
+    ref, _ = _run_busy(_llm(**flags), LATE)
+    order = ["long"] + [rid for rid, _, _ in LATE]
+    check_logprobs_close(vllm_greedy([ref[r] for r in order]),
+                         vllm_greedy([finished[r] for r in order]), "one step", "spread")
+    engine = spread.llm_engine
+    assert engine.runner.prefill_job is None and engine.scheduler.sliced_prefill is None
+
+
+def test_abort_during_spread_prefill() -> None:
+    llm = _llm(decode_interleave_tokens=256, encoder_layers_per_step=4,
+               prefill_layers_per_step=1)
+    engine = llm.llm_engine
+    engine.add_request("long", _text_prompt(0), LONG)
+    engine.step()
+    engine.step()
+    engine.add_request("a", _text_prompt(1), SHORT)
+    for _ in range(3):
+        engine.step()
+        if engine.runner.prefill_job is not None:
+            break
+    assert engine.runner.prefill_job is not None
+    engine.abort_request("a")
+    assert engine.runner.prefill_job is None and engine.scheduler.sliced_prefill is None
+    outs = {}
+    while engine.has_unfinished_requests():
+        for o in engine.step():
+            outs[o.request_id] = o
+    assert set(outs) == {"long"} and len(outs["long"].outputs[0].token_ids) == 40
+    engine.check_integrity()
+    assert engine.block_manager.pool.usage() == 0.0

@@ -7,6 +7,7 @@ from __future__ import annotations
 import contextlib
 
 import numpy as np
+import pytest
 import torch
 from helpers.no_sync import NoHostSync
 from PIL import Image
@@ -41,10 +42,11 @@ def _image(seed: int) -> Image.Image:
     return Image.fromarray(rng.integers(0, 256, (70, 120, 3), dtype=np.uint8))
 
 
-def test_step_launches_do_not_synchronise() -> None:
+@pytest.mark.parametrize("spread", [0, 2])
+def test_step_launches_do_not_synchronise(spread: int) -> None:
     llm = LLM(model="demo/mllama-tiny", max_model_len=256, max_num_seqs=8,
               limit_mm_per_prompt={"image": 2}, decode_interleave_tokens=256,
-              encoder_layers_per_step=2)
+              encoder_layers_per_step=2, prefill_layers_per_step=spread)
     engine = llm.llm_engine
     params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=2)
     image = {"prompt": "<|image|><|begin_of_text|>What is it", "multi_modal_data":
@@ -54,6 +56,8 @@ def test_step_launches_do_not_synchronise() -> None:
     runner.launch = _strictly(runner.launch)
     runner.start_encoder_job = _strictly(runner.start_encoder_job)
     runner.advance_encoder_job = _strictly(runner.advance_encoder_job)
+    runner.start_prefill = _strictly(runner.start_prefill)
+    runner.advance_prefill = _strictly(runner.advance_prefill)
     engine.add_request("long", "A long text request", params)
     engine.step()
     engine.step()
@@ -70,3 +74,4 @@ def test_step_launches_do_not_synchronise() -> None:
     assert set(done) == {"long", "img", "txt"}
     assert all(o.error is None and len(o.outputs[0].token_ids) == 12 for o in done.values())
     assert runner.stats.images_encoded_ahead >= 1
+    assert (runner.stats.spread_prefills > 0) == bool(spread)

@@ -42,6 +42,7 @@ class SchedulerOutput:
     new_pages: list[tuple[Sequence, int]] = field(default_factory=list)  # decode appends
     page_copies: list[tuple[int, int]] = field(default_factory=list)  # after the forward
     preempted: list[Request] = field(default_factory=list)
+    sliced: bool = False  # a prefill spread over the decode steps that follow its admission
 
     @property
     def num_seqs(self) -> int:
@@ -62,6 +63,10 @@ class Scheduler:
         self._seq_ids = itertools.count()
         self.num_preemptions = 0
         self._last_was_prefill = False
+        # A prefill admitted but spread over decode steps (``prefill_layers_per_step``); it is
+        # handed out again as a step once ``sliced_ready`` is set or nothing else can decode.
+        self.sliced_prefill: SchedulerOutput | None = None
+        self.sliced_ready = False
 
     # ----------------------------------------------------------------- admission
     def check_fits(self, request: Request) -> None:
@@ -106,7 +111,10 @@ class Scheduler:
         """The next step. With ``lookahead`` (a step is still in flight, its results unread)
         only a decode step that needs no admission decision and no preemption is scheduled;
         None tells the caller to collect the in-flight step first."""
-        if lookahead:
+        if self.sliced_prefill is not None and (self.sliced_ready
+                                                or not self._decode_candidates()):
+            out = self._emit_sliced()
+        elif lookahead:
             out = self._schedule_lookahead()
         elif self._decode_turn():
             out = self._schedule_decode()
@@ -122,6 +130,34 @@ class Scheduler:
     def interleaving(self) -> bool:
         """Sequences are decoding and prefill steps are bounded and alternate with decodes."""
         return self.config.decode_interleave_tokens > 0 and bool(self.running)
+
+    def _emit_sliced(self) -> SchedulerOutput:
+        out = self.sliced_prefill
+        assert out is not None
+        self.clear_sliced()
+        return out
+
+    def clear_sliced(self) -> None:
+        """Forgets the spread prefill (emitted, failed or cancelled); its sequences decode."""
+        if self.sliced_prefill is not None:
+            for group in self.sliced_prefill.samplers:
+                for s in group:
+                    s.prefilling = False
+        self.sliced_prefill, self.sliced_ready = None, False
+
+    def _cancel_sliced(self, keep: Request | None) -> None:
+        """A request of the spread prefill is preempted or aborted: the others go back to
+        the queue too (their prefill never ran to the end)."""
+        out = self.sliced_prefill
+        assert out is not None
+        self.clear_sliced()
+        for req in {id(s.request): s.request for s in out.prefill_seqs}.values():
+            if req is not keep and req in self.running:
+                self._preempt(req)
+
+    def _in_sliced(self, request: Request) -> bool:
+        out = self.sliced_prefill
+        return out is not None and any(s.request is request for s in out.prefill_seqs)
 
     def _decode_turn(self) -> bool:
         return self.interleaving and self._last_was_prefill
@@ -147,10 +183,10 @@ class Scheduler:
 
     def _decode_candidates(self) -> list[Sequence]:
         return [s for r in self.running for s in r.unfinished_seqs()
-                if not self._will_finish_by_length(s)]
+                if not s.prefilling and not self._will_finish_by_length(s)]
 
     def _schedule_lookahead(self) -> SchedulerOutput | None:
-        if (self.waiting and not self._decode_turn()
+        if (self.waiting and not self._decode_turn() and self.sliced_prefill is None
                 and not all(self.needs_encoding(r) for r in self.waiting)):
             # An admission is due. While interleaving it is made without the in-flight results
             # (conservatively: sequences finishing in flight still count), so the host launches
@@ -170,7 +206,10 @@ class Scheduler:
 
     def _schedule_prefill(self) -> SchedulerOutput | None:
         c = self.config
-        out = SchedulerOutput(is_prefill=True)
+        if self.sliced_prefill is not None:
+            return None  # one spread prefill at a time
+        out = SchedulerOutput(is_prefill=True,
+                              sliced=self.interleaving and c.prefill_layers_per_step > 0)
         tokens = tiles = pages = 0
         max_tokens = c.max_num_batched_tokens
         if self.interleaving:
@@ -198,7 +237,14 @@ class Scheduler:
         for req in admitted:
             self.waiting.remove(req)
             self._admit(req, req.unfinished_seqs(), out)
-        return out if out.prefill_seqs else None
+        if not out.prefill_seqs:
+            return None
+        if out.sliced:
+            self.sliced_prefill = out
+            for group in out.samplers:
+                for s in group:
+                    s.prefilling = True
+        return out
 
     def _admit(self, req: Request, seqs: list[Sequence], out: SchedulerOutput) -> None:
         self.bm.allocate_prefill(req, seqs)
@@ -246,6 +292,8 @@ class Scheduler:
         self._preempt(request)
 
     def _preempt(self, request: Request) -> None:
+        if self._in_sliced(request):
+            self._cancel_sliced(keep=request)
         self.running.remove(request)
         for s in request.unfinished_seqs():
             self.bm.free_seq(s)
@@ -279,6 +327,8 @@ class Scheduler:
         req = self.requests.pop(request_id, None)
         if req is None:
             return None
+        if self._in_sliced(req):
+            self._cancel_sliced(keep=req)
         for s in req.seqs:
             if s.block_table:
                 self.bm.free_seq(s)

@@ -52,6 +52,7 @@ class Sequence:
     detokenizer: Any = None
     generator: Any = None
     inflight: int = 0  # tokens sampled on the device whose results the host has not read yet
+    prefilling: bool = False  # admitted; its prefill is spread over steps and not done yet
 
     @property
     def prompt_len(self) -> int:

@@ -77,6 +77,7 @@ class EngineArgs:
     # for throughput), as vLLM picks some scheduler defaults by usage context.
     decode_interleave_tokens: int | None = None
     encoder_layers_per_step: int | None = None
+    prefill_layers_per_step: int = 0
     gpu_memory_utilization: float = 0.9
     enforce_eager: bool = False
     cuda_graph_sizes: list[int] | None = None
@@ -217,8 +218,12 @@ class EngineArgs:
             interleave[name] = default if value is None else value
             if interleave[name] < 0:
                 raise ValueError(f"{name} must be >= 0, got {value}")
+        if self.prefill_layers_per_step < 0:
+            raise ValueError("prefill_layers_per_step must be >= 0, got "
+                             f"{self.prefill_layers_per_step}")
         return SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=batched,
                                max_model_len=max_model_len, max_num_encoder_tiles=tiles,
+                               prefill_layers_per_step=self.prefill_layers_per_step,
                                **interleave)
 
     def to_dict(self) -> dict[str, Any]:

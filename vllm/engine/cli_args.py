@@ -118,6 +118,12 @@ _FLAG_SPECS: dict[str, dict[str, Any]] = {
         "image-layers per decode step, ahead of their prefill. 0: encode inside the prefill. "
         "Default 4 (the offline LLM class: 0).",
     },
+    "prefill_layers_per_step": {
+        "type": int,
+        "help": "While sequences decode (interleaved prefill), run an admitted prefill this "
+        "many text layers per decode step instead of in one step, so its eager launch is "
+        "spread out. 0 (default): one step.",
+    },
     "gpu_memory_utilization": {
         "type": float,
         "help": "Fraction of GPU memory for the model and its KV cache (0-1].",

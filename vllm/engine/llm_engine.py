@@ -15,7 +15,7 @@ from typing import Any
 from vllm.config import VllmConfig
 from vllm.core.block_manager import BlockManager
 from vllm.core.scheduler import Scheduler, SchedulerOutput
-from vllm.core.sequence import Request
+from vllm.core.sequence import Request, SequenceStatus
 from vllm.engine.arg_utils import EngineArgs
 from vllm.engine.output_processor import OutputProcessor
 from vllm.logger import init_logger
@@ -143,6 +143,7 @@ class LLMEngine:
                 for s in req.seqs:
                     self.runner.release(s)
                 self.output_processor.forget(req)
+        self._forget_cancelled_prefill()
         if self._pending is not None and not self.scheduler.has_unfinished():
             self._collect(self._take_pending())  # only aborted sequences were in flight
 
@@ -161,15 +162,27 @@ class LLMEngine:
         previous step is processed while the new one runs; outputs lag one step.
         """
         outputs: list[RequestOutput] = []
-        out = None
-        if self._pending is not None:
-            out = self.scheduler.schedule(lookahead=True)
-            if out is None:
-                outputs += self._collect(self._take_pending())
+        self._forget_cancelled_prefill()
+        out = self._schedule(outputs)
+        if out is not None and out.is_prefill and out.sliced and self.runner.prefill_job is None:
+            # Spread this prefill over the decode steps that follow: begin it now (inputs,
+            # embedding, the first layers), and run a decode step in this one.
+            now = time.time()
+            for s in out.prefill_seqs:
+                if s.request.first_scheduled_time is None:
+                    s.request.first_scheduled_time = now
+            try:
+                self.runner.start_prefill(out)
+                self.runner.advance_prefill(self._prefill_layers)
+            except Exception as e:  # attributed below, or re-raised
+                self.runner.cancel_prefill()
+                self.scheduler.clear_sliced()
+                if self._pending is not None:
+                    outputs += self._collect(self._take_pending())
+                return outputs + self._isolate_failure(out, e)
+            out = self._schedule(outputs)
         if out is None:
-            out = self.scheduler.schedule()
-            if out is None:
-                return outputs
+            return outputs
         self._release_preempted(out)
         if out.num_seqs == 0:
             return outputs  # everything running was preempted; the next step re-admits it
@@ -190,7 +203,11 @@ class LLMEngine:
         for s in handle.result.seqs:
             s.inflight += 1
         previous, self._pending = self._pending, handle
-        if not out.is_prefill and not self._after_prefill:
+        if not out.is_prefill and self.runner.prefill_job is not None:
+            # The spread prefill's next layers, queued after this decode step's results.
+            if self.runner.advance_prefill(self._prefill_layers):
+                self.scheduler.sliced_ready = True
+        elif not out.is_prefill and not self._after_prefill:
             # Queued after the step's results, so reading them does not wait for it.
             outputs += self._advance_encoder()
         self._after_prefill = out.is_prefill
@@ -200,6 +217,31 @@ class LLMEngine:
             outputs += self._collect(self._take_pending())
         self._maybe_log(out, handle.result)
         return outputs
+
+    def _schedule(self, outputs: list[RequestOutput]) -> SchedulerOutput | None:
+        """The next step: decided with a step in flight when possible, else after collecting
+        it (its outputs appended to ``outputs``)."""
+        out = None
+        if self._pending is not None:
+            out = self.scheduler.schedule(lookahead=True)
+            if out is None:
+                outputs += self._collect(self._take_pending())
+        if out is None:
+            out = self.scheduler.schedule()
+        self._forget_cancelled_prefill()
+        return out
+
+    def _forget_cancelled_prefill(self) -> None:
+        """Drops the runner's spread prefill once the scheduler no longer holds it (emitted
+        prefills are taken by the launch; preempted or aborted ones are dropped here)."""
+        job = self.runner.prefill_job
+        if job is not None and self.scheduler.sliced_prefill is not job.out \
+                and job.out.prefill_seqs[0].status != SequenceStatus.RUNNING:
+            self.runner.cancel_prefill()
+
+    @property
+    def _prefill_layers(self) -> int:
+        return self.config.scheduler_config.prefill_layers_per_step
 
     def _advance_encoder(self) -> list[RequestOutput]:
         """Spends this decode step's encoder budget on the images of a waiting request."""

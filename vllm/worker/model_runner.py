@@ -29,11 +29,12 @@ from vllm.model_executor.layers.sampler import (
     make_generator,
 )
 from vllm.model_executor.model_loader.loader import get_model
+from vllm.model_executor.models.mllama import TextProgress
 from vllm.model_executor.models.mllama_vision import ImagesEncoding
 from vllm.utils import to_device
 from vllm.worker.cache_engine import CacheEngine, PageLayout
 from vllm.worker.decode_state import DecodeInputs, DecodeRows
-from vllm.worker.prefill_inputs import PrefillItem, build_prefill_batch
+from vllm.worker.prefill_inputs import PrefillBatch, PrefillItem, build_prefill_batch
 
 logger = init_logger(__name__)
 
@@ -46,6 +47,7 @@ class RunnerStats:
     eager_decode_steps: int = 0
     encoder_chunks: int = 0  # decode steps that also advanced an image encoding
     images_encoded_ahead: int = 0  # requests whose images were encoded before their prefill
+    spread_prefills: int = 0  # prefill steps begun ahead and spread over decode steps
     deliberate_eager: int = 0  # eager steps a benchmark asked for (not graph fallbacks)
     prefill_steps: int = 0
     host_time_s: float = 0.0  # host time spent launching steps
@@ -72,6 +74,15 @@ class StepOutput:
     logprob_ids: list[list[int]] | None = None
     ranks: list[int] | None = None
     prompt_logprobs: dict[str, tuple[list, list, list]] = field(default_factory=dict)
+
+
+@dataclass(eq=False)
+class PrefillJob:
+    """A prefill step begun ahead of its launch: inputs built, text layers run so far."""
+
+    out: SchedulerOutput
+    batch: PrefillBatch
+    state: TextProgress
 
 
 @dataclass(eq=False)
@@ -114,6 +125,7 @@ class ModelRunner:
         self.rows: DecodeRows | None = None
         self.graphs = None  # DecodeGraphRunner, when not enforce_eager
         self.vision_graphs = None  # VisionGraphRunner, on CUDA when not enforce_eager
+        self.prefill_job: PrefillJob | None = None  # a prefill spread over decode steps
         self.stats = RunnerStats()
         ring = config.scheduler_config.max_num_seqs if self.device.type == "cuda" else 0
         self._sampled_ring = [torch.empty(ring, dtype=torch.int64, pin_memory=ring > 0)
@@ -222,7 +234,27 @@ class ModelRunner:
                                     s.generator, stop_ids))
         return SamplingMetadata.build(rows, self.vocab_size, self.device)
 
-    def _prefill(self, out: SchedulerOutput) -> tuple[StepOutput, SamplerOutput]:
+    @torch.inference_mode()
+    def start_prefill(self, out: SchedulerOutput) -> None:
+        """Begins a prefill to be spread over steps (``advance_prefill``); the step that
+        launches ``out`` runs what is left and samples."""
+        assert self.prefill_job is None, "one spread prefill at a time"
+        self.prefill_job = self._begin_prefill(out)
+        self.stats.spread_prefills += 1
+
+    @torch.inference_mode()
+    def advance_prefill(self, num_layers: int) -> bool:
+        """Enqueues up to ``num_layers`` more text layers of the spread prefill; True once
+        all have run."""
+        job = self.prefill_job
+        assert job is not None
+        with set_forward_context(job.batch.metadata):
+            return self.model.language_model.model.run_layers(job.state, num_layers)
+
+    def cancel_prefill(self) -> None:
+        self.prefill_job = None
+
+    def _begin_prefill(self, out: SchedulerOutput) -> PrefillJob:
         assert self.cache_engine is not None and self.rows is not None
         lo = self.layout
         items = []
@@ -243,7 +275,20 @@ class ModelRunner:
         if batch.vision_parts:
             vision = batch.assemble_vision(vision)
         with set_forward_context(batch.metadata):
-            hidden = self.model(batch.input_ids, batch.positions, vision)
+            state = self.model.language_model.model.begin(batch.input_ids, batch.positions,
+                                                          vision)
+        return PrefillJob(out, batch, state)
+
+    def _prefill(self, out: SchedulerOutput) -> tuple[StepOutput, SamplerOutput]:
+        assert self.cache_engine is not None and self.rows is not None
+        job = self.prefill_job
+        if job is None or job.out is not out:
+            job = self._begin_prefill(out)
+        self.prefill_job = None
+        batch, text = job.batch, self.model.language_model.model
+        with set_forward_context(batch.metadata):
+            text.run_layers(job.state, len(text.layers))
+            hidden = text.end(job.state)
         result = StepOutput(seqs=[], token_ids=[])
         self._prompt_logprobs(out, batch, hidden, result)
         logits = self.model.compute_logits(hidden[batch.logits_indices])
