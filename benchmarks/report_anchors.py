@@ -81,6 +81,72 @@ def gemv_floor(model, batch: int, with_cross: bool, iters: int = 20) -> dict:
     return {"ms": ms, "bytes": nbytes, "tb_per_s": nbytes / (ms / 1e3) / 1e12}
 
 
+def _event_ms(fn, iters: int = 10) -> float:
+    fn()
+    if not torch.cuda.is_available():  # CPU smoke runs: wall time
+        t0 = time.perf_counter()
+        for _ in range(iters):
+            fn()
+        return (time.perf_counter() - t0) * 1e3 / iters
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(iters):
+        fn()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) / iters
+
+
+def ttft_floor(model, copy_tb_s: float, num_tiles: int = 4) -> dict:
+    """Sum of the component floors of an image prefill (one image of ``num_tiles`` tiles):
+    the vision tower's attention (maskless SDPA over all padded tokens plus the padding rows
+    over the valid keys) and linears at the rates this GPU measures for those exact shapes, the
+    projector, the cross K/V projections of the vision tokens, and the text weights read once
+    at copy bandwidth. Norms, activations and the text tokens' own work are left out."""
+    import torch.nn.functional as F
+
+    from vllm.model_executor.models.mllama import MllamaCrossAttentionDecoderLayer
+
+    v = model.spec.vision
+    dtype = model.multi_modal_projector.weight.dtype
+    dev = model.multi_modal_projector.weight.device
+    tokens = v.max_num_tiles * v.padded_tokens_per_tile
+    valid = num_tiles * v.tokens_per_tile
+    heads, hd, d = v.attention_heads, v.head_dim, v.hidden_size
+
+    def rand(*shape):
+        return torch.randn(*shape, device=dev, dtype=dtype)
+
+    q = rand(1, heads, tokens, hd)
+    k, vv = rand(1, heads, tokens, hd), rand(1, heads, tokens, hd)
+    layers = v.num_hidden_layers + v.num_global_layers
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    with sdpa_kernel([SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION,
+                      SDPBackend.EFFICIENT_ATTENTION], set_priority=True):
+        attn = _event_ms(lambda: F.scaled_dot_product_attention(q, k, vv))
+        pad = _event_ms(lambda: F.scaled_dot_product_attention(
+            q[:, :, valid:], k[:, :, :valid], vv[:, :, :valid])) if valid < tokens else 0.0
+    x, h4 = rand(tokens, d), rand(tokens, v.intermediate_size)
+    lin = 0.0
+    for n_in, n_out, inp in ((d, 3 * d, x), (d, d, x), (d, v.intermediate_size, x),
+                             (v.intermediate_size, d, h4)):
+        w, b = rand(n_out, n_in), rand(n_out)
+        lin += _event_ms(lambda inp=inp, w=w, b=b: F.linear(inp, w, b))
+    feats = rand(valid, model.multi_modal_projector.weight.shape[1])
+    proj = _event_ms(lambda: model.multi_modal_projector(feats))
+    text = model.language_model.model
+    cross = [m for m in text.layers if isinstance(m, MllamaCrossAttentionDecoderLayer)]
+    vis = rand(valid, model.spec.text.hidden_size)
+    kv_ms = (_event_ms(lambda: cross[0].cross_attn.kv_proj(vis)) * len(cross)) if cross else 0.0
+    text_bytes = sum(p.numel() * p.element_size() for p in model.language_model.parameters())
+    weights_ms = text_bytes / (copy_tb_s * 1e12) * 1e3
+    parts = {"vision_attention_ms": layers * (attn + pad), "vision_linears_ms": layers * lin,
+             "projector_ms": proj, "cross_kv_ms": kv_ms, "text_weights_ms": weights_ms}
+    return {**parts, "floor_ms": sum(parts.values())}
+
+
 def hf_model_from(model, path: str):
     """An HF ``MllamaForConditionalGeneration`` holding the same (dummy) weights."""
     from transformers import AutoConfig, MllamaForConditionalGeneration
