@@ -333,3 +333,15 @@ def test_closed_loop_interleave_smoke(tmp_path: Path) -> None:
     kinds = {s["kind"] for s in rec["trace"]}
     assert kinds == {"prefill", "decode"}
     assert sum(s["seqs"] for s in rec["trace"] if s["kind"] == "prefill") == 8
+
+
+def test_run_report_smoke(tmp_path: Path) -> None:
+    """benchmarks/run_report.py --smoke (tiny model, CPU): the measurement code paths run and
+    the summary carries every target's figure, including TTFT over its component floors."""
+    root = Path(__file__).resolve().parents[2]
+    proc = subprocess.run([sys.executable, "run_report.py", "--smoke", "--out", str(tmp_path)],
+                          cwd=root / "benchmarks", capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert summary["ttft_image_ms"] > 0 and summary["ttft_over_component_floors"] > 0
+    assert summary["decode_bs1_text_ms"] > 0 and summary["graph_replay_fraction"] == 1.0
