@@ -81,7 +81,8 @@ def gemv_floor(model, batch: int, with_cross: bool, iters: int = 20) -> dict:
     return {"ms": ms, "bytes": nbytes, "tb_per_s": nbytes / (ms / 1e3) / 1e12}
 
 
-def _event_ms(fn, iters: int = 10) -> float:
+def event_ms(fn, iters: int = 10) -> float:
+    """Mean ms per call of ``fn`` (CUDA events; wall time on CPU), after one warm-up call."""
     fn()
     if not torch.cuda.is_available():  # CPU smoke runs: wall time
         t0 = time.perf_counter()
@@ -125,21 +126,21 @@ def ttft_floor(model, copy_tb_s: float, num_tiles: int = 4) -> dict:
 
     with sdpa_kernel([SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION,
                       SDPBackend.EFFICIENT_ATTENTION], set_priority=True):
-        attn = _event_ms(lambda: F.scaled_dot_product_attention(q, k, vv))
-        pad = _event_ms(lambda: F.scaled_dot_product_attention(
+        attn = event_ms(lambda: F.scaled_dot_product_attention(q, k, vv))
+        pad = event_ms(lambda: F.scaled_dot_product_attention(
             q[:, :, valid:], k[:, :, :valid], vv[:, :, :valid])) if valid < tokens else 0.0
     x, h4 = rand(tokens, d), rand(tokens, v.intermediate_size)
     lin = 0.0
     for n_in, n_out, inp in ((d, 3 * d, x), (d, d, x), (d, v.intermediate_size, x),
                              (v.intermediate_size, d, h4)):
         w, b = rand(n_out, n_in), rand(n_out)
-        lin += _event_ms(lambda inp=inp, w=w, b=b: F.linear(inp, w, b))
+        lin += event_ms(lambda inp=inp, w=w, b=b: F.linear(inp, w, b))
     feats = rand(valid, model.multi_modal_projector.weight.shape[1])
-    proj = _event_ms(lambda: model.multi_modal_projector(feats))
+    proj = event_ms(lambda: model.multi_modal_projector(feats))
     text = model.language_model.model
     cross = [m for m in text.layers if isinstance(m, MllamaCrossAttentionDecoderLayer)]
     vis = rand(valid, model.spec.text.hidden_size)
-    kv_ms = (_event_ms(lambda: cross[0].cross_attn.kv_proj(vis)) * len(cross)) if cross else 0.0
+    kv_ms = (event_ms(lambda: cross[0].cross_attn.kv_proj(vis)) * len(cross)) if cross else 0.0
     text_bytes = sum(p.numel() * p.element_size() for p in model.language_model.parameters())
     weights_ms = text_bytes / (copy_tb_s * 1e12) * 1e3
     parts = {"vision_attention_ms": layers * (attn + pad), "vision_linears_ms": layers * lin,

@@ -25,6 +25,7 @@ from PIL import Image
 sys.path.insert(0, str(Path(__file__).parent))
 from report_anchors import (
     copy_bandwidth,
+    event_ms,
     gemv_floor,
     hf_generate_times,
     hf_model_from,
@@ -154,17 +155,7 @@ def ttft_breakdown(llm: LLM, iters: int = 5) -> dict:
     ar = images.aspect_ratio_ids.to(runner.device)
 
     def ev(fn) -> float:
-        if not torch.cuda.is_available():
-            return float("nan")
-        fn()
-        sync()
-        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        s.record()
-        for _ in range(iters):
-            fn()
-        e.record()
-        sync()
-        return s.elapsed_time(e) / iters
+        return event_ms(fn, iters) if torch.cuda.is_available() else float("nan")
 
     with torch.inference_mode():
         feats = runner.model.vision_model(pv, ar, images.num_tiles)

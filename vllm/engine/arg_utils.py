@@ -212,18 +212,15 @@ class EngineArgs:
                 f"max_num_encoder_tiles ({tiles}) cannot encode one request with "
                 f"{limit_images} image(s) of {max_tiles} tiles; raise it or lower "
                 "--limit-mm-per-prompt")
-        interleave = {"decode_interleave_tokens": 256, "encoder_layers_per_step": 4}
+        interleave = {"decode_interleave_tokens": 256, "encoder_layers_per_step": 4,
+                      "prefill_layers_per_step": 0}
         for name, default in interleave.items():
             value = getattr(self, name)
             interleave[name] = default if value is None else value
             if interleave[name] < 0:
                 raise ValueError(f"{name} must be >= 0, got {value}")
-        if self.prefill_layers_per_step < 0:
-            raise ValueError("prefill_layers_per_step must be >= 0, got "
-                             f"{self.prefill_layers_per_step}")
         return SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=batched,
                                max_model_len=max_model_len, max_num_encoder_tiles=tiles,
-                               prefill_layers_per_step=self.prefill_layers_per_step,
                                **interleave)
 
     def to_dict(self) -> dict[str, Any]:

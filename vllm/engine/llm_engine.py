@@ -15,7 +15,7 @@ from typing import Any
 from vllm.config import VllmConfig
 from vllm.core.block_manager import BlockManager
 from vllm.core.scheduler import Scheduler, SchedulerOutput
-from vllm.core.sequence import Request, SequenceStatus
+from vllm.core.sequence import Request
 from vllm.engine.arg_utils import EngineArgs
 from vllm.engine.output_processor import OutputProcessor
 from vllm.logger import init_logger
@@ -143,7 +143,7 @@ class LLMEngine:
                 for s in req.seqs:
                     self.runner.release(s)
                 self.output_processor.forget(req)
-        self._forget_cancelled_prefill()
+        self._drop_stale_prefill()
         if self._pending is not None and not self.scheduler.has_unfinished():
             self._collect(self._take_pending())  # only aborted sequences were in flight
 
@@ -162,15 +162,11 @@ class LLMEngine:
         previous step is processed while the new one runs; outputs lag one step.
         """
         outputs: list[RequestOutput] = []
-        self._forget_cancelled_prefill()
         out = self._schedule(outputs)
         if out is not None and out.is_prefill and out.sliced and self.runner.prefill_job is None:
             # Spread this prefill over the decode steps that follow: begin it now (inputs,
             # embedding, the first layers), and run a decode step in this one.
-            now = time.time()
-            for s in out.prefill_seqs:
-                if s.request.first_scheduled_time is None:
-                    s.request.first_scheduled_time = now
+            self._mark_scheduled(out)
             try:
                 self.runner.start_prefill(out)
                 self.runner.advance_prefill(self._prefill_layers)
@@ -186,10 +182,7 @@ class LLMEngine:
         self._release_preempted(out)
         if out.num_seqs == 0:
             return outputs  # everything running was preempted; the next step re-admits it
-        now = time.time()
-        for s in out.prefill_seqs:
-            if s.request.first_scheduled_time is None:
-                s.request.first_scheduled_time = now
+        self._mark_scheduled(out)
         if out.is_prefill and self.scheduler.running:
             # The GPU encodes while the host launches the (eager) prefill; the decode step
             # right after a prefill then carries no encoder work.
@@ -228,16 +221,23 @@ class LLMEngine:
                 outputs += self._collect(self._take_pending())
         if out is None:
             out = self.scheduler.schedule()
-        self._forget_cancelled_prefill()
+        self._drop_stale_prefill(launching=out)
         return out
 
-    def _forget_cancelled_prefill(self) -> None:
-        """Drops the runner's spread prefill once the scheduler no longer holds it (emitted
-        prefills are taken by the launch; preempted or aborted ones are dropped here)."""
+    def _drop_stale_prefill(self, launching: SchedulerOutput | None = None) -> None:
+        """Drops the runner's spread prefill unless the scheduler still holds it or it is the
+        step about to be launched (which takes it): preempted, aborted or failed ones."""
         job = self.runner.prefill_job
-        if job is not None and self.scheduler.sliced_prefill is not job.out \
-                and job.out.prefill_seqs[0].status != SequenceStatus.RUNNING:
+        if job is not None and job.out is not self.scheduler.sliced_prefill \
+                and job.out is not launching:
             self.runner.cancel_prefill()
+
+    @staticmethod
+    def _mark_scheduled(out: SchedulerOutput) -> None:
+        now = time.time()
+        for s in out.prefill_seqs:
+            if s.request.first_scheduled_time is None:
+                s.request.first_scheduled_time = now
 
     @property
     def _prefill_layers(self) -> int:

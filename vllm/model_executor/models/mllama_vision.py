@@ -173,11 +173,11 @@ class GroupEncoding:
     aspect_ratio_ids: torch.Tensor  # [G]
     num_valid: int
     total_layers: int
-    next_layer: int = 0
     # [G, num_valid, D * (1 + k)]: the final hidden states, then the k intermediate-layer
     # inputs interleaved per channel (channel c of feature j at D + c * k + j), written in place
     # as each is produced (no stack and concatenation at the end).
-    out: torch.Tensor | None = None
+    out: torch.Tensor
+    next_layer: int = 0
     # The last layer's residual branch, not yet added to ``hidden`` (hidden + gate * delta).
     delta: torch.Tensor | None = None
     gate: torch.Tensor | None = None
@@ -236,10 +236,10 @@ class MllamaVisionModel(nn.Module):
         g, t, pp, d = x.shape
         order = _valid_first_order(num_tiles, t, s.tokens_per_tile, pp, x.device)
         total = len(self.transformer.layers) + len(self.global_transformer.layers)
+        num_valid = num_tiles * s.tokens_per_tile
+        out = x.new_empty(g, num_valid, d * (1 + len(s.intermediate_layers_indices)))
         state = GroupEncoding(x.reshape(g, t * pp, d)[:, order], order, aspect_ratio_ids,
-                              num_tiles * s.tokens_per_tile, total)
-        k = len(s.intermediate_layers_indices)
-        state.out = x.new_empty(g, state.num_valid, d * (1 + k))
+                              num_valid, total, out)
         if not self.transformer.layers:
             state.hidden = self._post_local(state.hidden, state)
         return state
@@ -273,14 +273,12 @@ class MllamaVisionModel(nn.Module):
         return x + post[:, tile_of_token]
 
     def _store_feature(self, state: GroupEncoding, j: int, x: torch.Tensor) -> None:
-        assert state.out is not None
         g, n, d = x.shape[0], state.num_valid, x.shape[-1]
         k = len(self.spec.intermediate_layers_indices)
         state.out[:, :, d:].view(g, n, d, k)[..., j].copy_(x[:, :n])
 
     def finish_group(self, state: GroupEncoding) -> torch.Tensor:
         assert state.next_layer == state.total_layers, "finish_group before the last layer"
-        assert state.out is not None
         hidden = _apply(state.hidden, state.delta, state.gate)
         d = hidden.shape[-1]
         state.out[:, :, :d].copy_(hidden[:, :state.num_valid])
