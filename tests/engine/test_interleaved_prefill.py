@@ -157,10 +157,12 @@ def test_offline_default_is_prefill_first() -> None:
     from vllm.engine.arg_utils import EngineArgs
 
     sc = _llm().llm_engine.config.scheduler_config
-    assert (sc.decode_interleave_tokens, sc.encoder_layers_per_step) == (0, 0)
+    assert (sc.decode_interleave_tokens, sc.encoder_layers_per_step,
+            sc.prefill_layers_per_step) == (0, 0, 0)
     served = EngineArgs(model="demo/mllama-tiny", max_model_len=256).create_engine_config()
     sc = served.scheduler_config
-    assert (sc.decode_interleave_tokens, sc.encoder_layers_per_step) == (256, 4)
+    assert (sc.decode_interleave_tokens, sc.encoder_layers_per_step,
+            sc.prefill_layers_per_step) == (256, 4, 10)
 
 
 @pytest.mark.parametrize("async_scheduling", [True, False])

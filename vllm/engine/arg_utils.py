@@ -77,7 +77,7 @@ class EngineArgs:
     # for throughput), as vLLM picks some scheduler defaults by usage context.
     decode_interleave_tokens: int | None = None
     encoder_layers_per_step: int | None = None
-    prefill_layers_per_step: int = 0
+    prefill_layers_per_step: int | None = None
     gpu_memory_utilization: float = 0.9
     enforce_eager: bool = False
     cuda_graph_sizes: list[int] | None = None
@@ -213,7 +213,7 @@ class EngineArgs:
                 f"{limit_images} image(s) of {max_tiles} tiles; raise it or lower "
                 "--limit-mm-per-prompt")
         interleave = {"decode_interleave_tokens": 256, "encoder_layers_per_step": 4,
-                      "prefill_layers_per_step": 0}
+                      "prefill_layers_per_step": 10}
         for name, default in interleave.items():
             value = getattr(self, name)
             interleave[name] = default if value is None else value

@@ -28,6 +28,7 @@ class LLM:
         # Offline batches want throughput: prefill first unless asked otherwise.
         kwargs.setdefault("decode_interleave_tokens", 0)
         kwargs.setdefault("encoder_layers_per_step", 0)
+        kwargs.setdefault("prefill_layers_per_step", 0)
         args = EngineArgs(model=model, tokenizer=tokenizer, dtype=dtype, seed=seed,
                           enforce_eager=enforce_eager,
                           gpu_memory_utilization=gpu_memory_utilization,
