@@ -4,7 +4,7 @@
 
 Prints, per phase, the kernels sorted by total CUDA time (torch.profiler), the prefill's host
 operations sorted by CPU time (with their Python stacks), and a cProfile of the host work of
-50 decode steps at batch size 1 (``decode_host.txt``).
+50 decode steps (``decode_host.txt``), at batch size 1 unless ``--decode-batch`` says otherwise.
 """
 
 from __future__ import annotations
@@ -28,13 +28,16 @@ def table(prof, rows: int = 30) -> str:
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default="/tmp/profile")
+    ap.add_argument("--decode-batch", type=int, default=1,
+                    help="profile decode at this batch (alternating image / text requests)")
     args = ap.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     import run_report as rr
 
     llm = LLM(model="demo/mllama-11b", load_format="dummy", dtype="bfloat16",
-              max_model_len=4096, max_num_seqs=8, gpu_memory_utilization=0.5)
+              max_model_len=4096, max_num_seqs=max(8, args.decode_batch),
+              gpu_memory_utilization=0.5)
     engine = llm.llm_engine
     params = SamplingParams(temperature=0, max_tokens=1000, ignore_eos=True)
     prompt = rr.make_prompt(llm, True, 128, 3)
@@ -51,7 +54,9 @@ def main() -> None:
         torch.cuda.synchronize()
     host = prof.key_averages(group_by_stack_n=6).table(sort_by="cpu_time_total", row_limit=25)
     (out / "prefill.txt").write_text(table(prof) + "\n\nHost, by CPU time:\n" + host)
-    for _ in range(3):
+    for i in range(1, args.decode_batch):
+        engine.add_request(f"b{i}", rr.make_prompt(llm, i % 2 == 0, 512, 10 + i), params)
+    for _ in range(3 + args.decode_batch):  # prefill steps until every request decodes
         engine.step()
     runner = engine.runner
     for name, graphs in (("decode_graph", runner.graphs), ("decode_eager", None)):

@@ -6,11 +6,17 @@ The page-pool views a layer reads and writes are bound once by the cache engine
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING, cast
+
 import torch
 from torch import nn
 
-from vllm.attention.backends.abstract import AttentionBackend
+from vllm.attention.backends.abstract import AttentionBackend, RopeFusingBackend
+from vllm.attention.metadata import AttentionMetadata
 from vllm.forward_context import get_attention_metadata
+
+if TYPE_CHECKING:
+    from vllm.model_executor.layers.rotary_embedding import RotaryEmbedding
 
 
 class _PagedAttentionBase(nn.Module):
@@ -34,20 +40,48 @@ class _PagedAttentionBase(nn.Module):
 class Attention(_PagedAttentionBase):
     """Causal self-attention over the paged KV cache (GQA)."""
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        # q: [T, Hq * D], k/v: [T, Hkv * D] -> [T, Hq * D]
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                positions: torch.Tensor | None = None,
+                rotary: RotaryEmbedding | None = None) -> torch.Tensor:
+        """q: [T, Hq * D], k/v: [T, Hkv * D] (rows may be strided) -> [T, Hq * D].
+
+        With ``rotary`` (and ``positions``, [T]) q and k are rotated first; a back-end that
+        ``fuses_rope`` does it in the KV-write launch (in place, so prefill reads rotated q/k).
+        """
         md = get_attention_metadata()
         backend = self.backend
         assert backend is not None, "attention back-end not bound"
-        q, k, v = self._views(q, k, v)
-        if self.kv_cache is not None:
-            backend.write_kv(k, v, self.kv_cache[0], self.kv_cache[1], md.slot_mapping)
+        q, k, v = self._rope_and_write(backend, md, q, k, v, positions, rotary)
         if md.is_prefill:
             out = backend.prefill_self(q, k, v, md, self.scale)
         else:
             assert self.kv_cache is not None, "decode needs a KV cache"
             out = backend.decode_self(q, self.kv_cache[0], self.kv_cache[1], md, self.scale)
         return out.reshape(-1, self.num_heads * self.head_dim)
+
+    def _rope_and_write(
+        self, backend: AttentionBackend, md: AttentionMetadata, q: torch.Tensor,
+        k: torch.Tensor, v: torch.Tensor, positions: torch.Tensor | None,
+        rotary: RotaryEmbedding | None,
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Rotates q/k (if ``rotary``) and writes K/V (if the cache is bound); returns the
+        [T, H, D] views attention reads. Unbound (the profile run) it only rotates."""
+        fused = rotary is not None and self.kv_cache is not None and backend.fuses_rope
+        if rotary is not None and not fused:
+            assert positions is not None, "RoPE needs positions"
+            q, k = rotary(positions, q, k)
+        q, k, v = self._views(q, k, v)
+        if self.kv_cache is None:
+            return q, k, v
+        if fused:
+            assert rotary is not None and positions is not None, "RoPE needs positions"
+            # One launch instead of two: a decode step is a graph of hundreds of tiny kernels.
+            cast(RopeFusingBackend, backend).write_kv_rope(
+                positions, q, k, v, self.kv_cache[0], self.kv_cache[1], md.slot_mapping,
+                rotary.cos_cache, rotary.sin_cache)
+        else:
+            backend.write_kv(k, v, self.kv_cache[0], self.kv_cache[1], md.slot_mapping)
+        return q, k, v
 
 
 class CrossAttention(_PagedAttentionBase):

@@ -66,11 +66,8 @@ class DecodeGraphRunner:
         """The captured function: decode over ``static_rows[:bs]`` with static scalars,
         logits into the shared static buffer."""
         enc = self.max_encoder_seq_len if family == CROSS else 0
-        logits = self.runner.decode_forward(self.static_rows[:bs], self.width, self.cross_width,
-                                            self.max_seq_len, enc)
-        out = self.static_logits[:bs]
-        out.copy_(logits)
-        return out
+        return self.runner.decode_forward(self.static_rows[:bs], self.width, self.cross_width,
+                                          self.max_seq_len, enc, logits_out=self.static_logits[:bs])
 
     @torch.inference_mode()
     def capture(self) -> None:

@@ -13,6 +13,9 @@ class AttentionBackend(Protocol):
     """Kernels behind the self- and cross-attention layers. Shapes are per token and head."""
 
     name: str
+    # True when the back-end is also a ``RopeFusingBackend``: the self-attention layer then
+    # hands it RoPE together with the KV write instead of rotating q/k in a launch of its own.
+    fuses_rope: bool
 
     def write_kv(
         self,
@@ -42,3 +45,20 @@ class AttentionBackend(Protocol):
         self, query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
         md: AttentionMetadata, scale: float,
     ) -> torch.Tensor: ...
+
+
+class RopeFusingBackend(AttentionBackend, Protocol):
+    """A back-end that applies RoPE and writes the KV cache in one kernel (``fuses_rope``)."""
+
+    def write_kv_rope(
+        self,
+        positions: torch.Tensor,  # [N], negative = padding
+        query: torch.Tensor,  # [N, Hq, D], rotated in place
+        key: torch.Tensor,  # [N, Hkv, D], rotated in place, then written
+        value: torch.Tensor,
+        key_cache: torch.Tensor,  # [num_pages, Hkv, page_size, D]
+        value_cache: torch.Tensor,
+        slot_mapping: torch.Tensor,  # [N] int64, -1 = padding (q/k still rotated)
+        cos_cache: torch.Tensor,  # [max_position, D] float32
+        sin_cache: torch.Tensor,
+    ) -> None: ...

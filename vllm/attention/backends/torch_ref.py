@@ -12,6 +12,7 @@ class TorchReferenceBackend:
     """Straightforward torch implementations of every attention operation."""
 
     name = "TORCH_REF"
+    fuses_rope = False  # the layer applies RoPE itself, then calls ``write_kv``
 
     def write_kv(self, key, value, key_cache, value_cache, slot_mapping) -> None:
         ref.write_kv_cache(key, value, key_cache, value_cache, slot_mapping)

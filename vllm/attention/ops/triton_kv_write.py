@@ -5,6 +5,10 @@ view with any strides (a layer's slice of the page pool). A negative slot (paddi
 **nothing**: unlike the torch reference, which diverts padding into the null page, no byte of
 the cache is touched, so warm-up and capture can run on real caches. Free of host
 synchronisation: safe inside a captured decode step.
+
+``rope_and_write_kv_cache`` fuses a self-attention layer's RoPE into the same launch: a decode
+step is a CUDA graph of a few hundred tiny kernels, each costing launch time on the host and
+the GPU, so dropping one per layer is worth a kernel of its own.
 """
 
 from __future__ import annotations
@@ -12,6 +16,8 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+
+from vllm.model_executor.layers.fused_kernels import _rope_heads
 
 
 @triton.jit
@@ -105,5 +111,115 @@ def write_kv_cache(
         PAGE_SIZE=key_cache.shape[2],
         BLOCK_H=triton.next_power_of_2(num_kv_heads),
         BLOCK_D=triton.next_power_of_2(head_dim),
+        num_warps=num_warps,
+    )
+
+
+@triton.jit
+def _rope_kv_write_kernel(
+    q_ptr,
+    k_ptr,
+    v_ptr,
+    pos_ptr,
+    cos_ptr,
+    sin_ptr,
+    key_cache_ptr,
+    value_cache_ptr,
+    slot_mapping_ptr,
+    stride_qn,
+    stride_kn,
+    stride_vn,
+    stride_cos,
+    stride_kcp,
+    stride_kch,
+    stride_kct,
+    stride_vcp,
+    stride_vch,
+    stride_vct,
+    NUM_Q_HEADS: tl.constexpr,
+    NUM_KV_HEADS: tl.constexpr,
+    HALF: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    PAGE_SIZE: tl.constexpr,
+    BLOCK_QH: tl.constexpr,
+    BLOCK_KH: tl.constexpr,
+):
+    """Grid (num_tokens,): rotates token i's q and k heads in place (the arithmetic of
+    ``rotary_inplace``), then writes the rotated k and the v rows into the token's slot."""
+    i = tl.program_id(0).to(tl.int64)
+    pos = tl.load(pos_ptr + i)
+    pos = tl.where(pos < 0, 0, pos)  # padding rows: any position, their output is unused
+    d = tl.arange(0, HALF)
+    cos = tl.load(cos_ptr + pos * stride_cos + d)
+    sin = tl.load(sin_ptr + pos * stride_cos + d)
+    _rope_heads(q_ptr + i * stride_qn, NUM_Q_HEADS, cos, sin, HALF, HEAD_DIM, BLOCK_QH)
+    # k is stored rotated in place as well: prefill attention reads it from the projection.
+    k1, k2 = _rope_heads(k_ptr + i * stride_kn, NUM_KV_HEADS, cos, sin, HALF, HEAD_DIM, BLOCK_KH)
+    slot = tl.load(slot_mapping_ptr + i).to(tl.int64)
+    heads = tl.arange(0, BLOCK_KH)
+    # As in ``_kv_write_kernel``: a padding slot is folded into the mask and writes nothing.
+    mask = (slot >= 0) & (heads < NUM_KV_HEADS)[:, None]
+    safe_slot = tl.maximum(slot, 0)
+    page = safe_slot // PAGE_SIZE
+    offset = safe_slot % PAGE_SIZE
+    k_dst = key_cache_ptr + page * stride_kcp + offset * stride_kct + heads[:, None] * stride_kch
+    k_dst += d[None, :]
+    tl.store(k_dst, k1.to(key_cache_ptr.dtype.element_ty), mask=mask)
+    tl.store(k_dst + HALF, k2.to(key_cache_ptr.dtype.element_ty), mask=mask)
+    dv = tl.arange(0, HEAD_DIM)
+    v = tl.load(v_ptr + i * stride_vn + heads[:, None] * HEAD_DIM + dv[None, :], mask=mask)
+    v_dst = value_cache_ptr + page * stride_vcp + offset * stride_vct + heads[:, None] * stride_vch
+    tl.store(v_dst + dv[None, :], v.to(value_cache_ptr.dtype.element_ty), mask=mask)
+
+
+def _token_rows(x: torch.Tensor, num_tokens: int, head_dim: int) -> torch.Tensor:
+    """[T, H * D] or [T, H, D] -> a [T, H * D] view with contiguous heads. ``view`` never
+    copies (it raises instead), so the in-place rotation always lands in the caller's tensor."""
+    rows = x.view(num_tokens, -1)
+    assert rows.stride(1) == 1 and rows.shape[1] % head_dim == 0
+    return rows
+
+
+def rope_and_write_kv_cache(
+    positions: torch.Tensor,  # [T] int, negative = padding (rotated as position 0)
+    query: torch.Tensor,  # [T, Hq * D] or [T, Hq, D], rows may be strided
+    key: torch.Tensor,  # [T, Hkv * D] or [T, Hkv, D], rows may be strided
+    value: torch.Tensor,
+    cos_cache: torch.Tensor,  # [max_position, D] float32 (the two halves are equal)
+    sin_cache: torch.Tensor,
+    key_cache: torch.Tensor,  # [num_pages, Hkv, page_size, D], any strides
+    value_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,  # [T] int64, negative = padding (writes nothing)
+    *,
+    num_warps: int = 4,
+) -> None:
+    """RoPE on q and k in place, then the K/V-cache write of ``write_kv_cache``, in one launch.
+
+    Bitwise equal to ``rotary_inplace`` followed by ``write_kv_cache`` (q, k and both caches).
+    A padding slot skips only the cache write; its q/k rows are still rotated, as before.
+    """
+    n = positions.shape[0]
+    head_dim = key_cache.shape[3]
+    q, k, v = (_token_rows(x, n, head_dim) for x in (query, key, value))
+    num_q_heads, num_kv_heads = q.shape[1] // head_dim, k.shape[1] // head_dim
+    assert v.shape == k.shape and slot_mapping.shape == (n,)
+    assert key_cache.shape == value_cache.shape and key_cache.shape[1] == num_kv_heads
+    assert key_cache.stride(-1) == 1 and value_cache.stride(-1) == 1
+    assert slot_mapping.dtype == torch.int64 and slot_mapping.is_contiguous()
+    assert cos_cache.stride() == sin_cache.stride() and cos_cache.stride(1) == 1
+    if n == 0:
+        return
+    _rope_kv_write_kernel[(n,)](
+        q, k, v, positions, cos_cache, sin_cache, key_cache, value_cache, slot_mapping,
+        q.stride(0), k.stride(0), v.stride(0), cos_cache.stride(0),
+        key_cache.stride(0), key_cache.stride(1), key_cache.stride(2),
+        value_cache.stride(0), value_cache.stride(1), value_cache.stride(2),
+        NUM_Q_HEADS=num_q_heads,
+        NUM_KV_HEADS=num_kv_heads,
+        HALF=head_dim // 2,
+        HEAD_DIM=head_dim,
+        PAGE_SIZE=key_cache.shape[2],
+        BLOCK_QH=triton.next_power_of_2(num_q_heads),
+        BLOCK_KH=triton.next_power_of_2(num_kv_heads),
         num_warps=num_warps,
     )

@@ -107,6 +107,9 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
 @triton.jit
 def _rope_heads(ptr, num_heads, cos, sin, HALF: tl.constexpr, HEAD_DIM: tl.constexpr,
                 BLOCK_H: tl.constexpr):
+    """Rotates one token's ``num_heads`` contiguous heads at ``ptr`` in place and returns the
+    rotated halves ([BLOCK_H, HALF] each, activation dtype; rows past num_heads are zeros), so
+    a caller can store them elsewhere too (the fused RoPE + KV-cache write)."""
     heads = tl.arange(0, BLOCK_H)
     d = tl.arange(0, HALF)
     offs = heads[:, None] * HEAD_DIM + d[None, :]
@@ -116,10 +119,11 @@ def _rope_heads(ptr, num_heads, cos, sin, HALF: tl.constexpr, HEAD_DIM: tl.const
     # The reference casts cos/sin to the activation dtype before multiplying.
     c = cos[None, :].to(x1.dtype).to(tl.float32)
     s = sin[None, :].to(x1.dtype).to(tl.float32)
-    y1 = x1.to(tl.float32) * c - x2.to(tl.float32) * s
-    y2 = x2.to(tl.float32) * c + x1.to(tl.float32) * s
-    tl.store(ptr + offs, y1.to(x1.dtype), mask=m)
-    tl.store(ptr + offs + HALF, y2.to(x1.dtype), mask=m)
+    y1 = (x1.to(tl.float32) * c - x2.to(tl.float32) * s).to(x1.dtype)
+    y2 = (x2.to(tl.float32) * c + x1.to(tl.float32) * s).to(x1.dtype)
+    tl.store(ptr + offs, y1, mask=m)
+    tl.store(ptr + offs + HALF, y2, mask=m)
+    return y1, y2
 
 
 @triton.jit

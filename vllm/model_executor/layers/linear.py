@@ -13,6 +13,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from vllm.model_executor.layers.activation import SiluAndMul
+
 
 class WeightShapeError(ValueError):
     """A checkpoint tensor does not have the shape its parameter expects."""
@@ -38,8 +40,30 @@ class Linear(nn.Module):
         self.bias = (nn.Parameter(torch.empty(out_features), requires_grad=False)
                      if bias else None)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
+    def forward(self, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        """x [..., in] -> [..., out]; ``out`` (optional, may be float32) receives the result
+        rounded to x's dtype, as ``linear(x).float()`` would."""
+        if self.bias is None and x.is_cuda:
+            from vllm.model_executor.layers.skinny_gemm import skinny_gemm, tuned_config
+
+            cfg = tuned_config(x, self.weight)
+            if cfg is not None:  # decode-sized shapes where the Triton GEMM is faster
+                return skinny_gemm(x, self.weight, cfg, out=out)
+        y = F.linear(x, self.weight, self.bias)
+        if out is None:
+            return y
+        return out.copy_(y)
+
+    def forward_gated(self, gate_up: torch.Tensor, act: nn.Module) -> torch.Tensor:
+        """``forward(act(gate_up))`` for a gate | up input; on CUDA at decode sizes the
+        activation runs inside the GEMM (one launch, the activation never stored)."""
+        if self.bias is None and gate_up.is_cuda and isinstance(act, SiluAndMul):
+            from vllm.model_executor.layers.skinny_gemm import skinny_gemm, tuned_config
+
+            cfg = tuned_config(gate_up, self.weight, gated=True)
+            if cfg is not None:
+                return skinny_gemm(gate_up, self.weight, cfg, gated=True)
+        return self.forward(act(gate_up))
 
 
 class MergedLinear(Linear):

@@ -6,14 +6,17 @@ followed by a separate reduction kernel (two graph nodes per linear at batch 1),
 rows picks tiles that stream the weight below copy bandwidth. This kernel gives each program
 one [BLOCK_M, BLOCK_N] output tile over the whole K (no split, one launch, a fixed reduction
 order for a given config), with the programs sharing a weight tile scheduled next to each other
-so a weight tile read for the first block of rows is served from L2 for the next.
+so a weight tile read for the first block of rows is served from L2 for the next. Its
+fp32 accumulation order differs from cuBLAS's, so results agree to rounding, not bitwise.
 
-The config depends on (M bucket, N, K) only, so eager and graph replay at the same bucket run the
+The kernel is used only for the shapes where it measured faster (``_TUNED``); the config
+depends on (M bucket, N, K) only, so eager and graph replay at the same bucket run the
 same kernel (DESIGN.md's equality contract).
 """
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 import torch
@@ -22,8 +25,9 @@ import triton.language as tl
 
 
 @triton.jit
-def _skinny_gemm_kernel(x_ptr, w_ptr, y_ptr, M, N, K, x_stride, w_stride, y_stride,
-                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+def _skinny_gemm_kernel(x_ptr, w_ptr, y_ptr, M, N, x_stride, w_stride, y_stride,
+                        K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                        BLOCK_K: tl.constexpr, GATED: tl.constexpr, DOT_F32: tl.constexpr):
     # Row blocks vary fastest: the programs reading one weight tile run back to back.
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
@@ -33,17 +37,26 @@ def _skinny_gemm_kernel(x_ptr, w_ptr, y_ptr, M, N, K, x_stride, w_stride, y_stri
     row_ok = rows < M
     col_ok = cols < N
     x_ptrs = x_ptr + rows[:, None] * x_stride + ks[None, :]
-    w_ptrs = w_ptr + cols[:, None] * w_stride + ks[None, :]
+    w_ptrs = w_ptr + cols[:, None].to(tl.int64) * w_stride + ks[None, :]
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     # K is a multiple of BLOCK_K (checked by the caller): no K masks in the loop.
-    for _ in range(0, K // BLOCK_K):
+    for _ in range(0, K, BLOCK_K):
         x = tl.load(x_ptrs, mask=row_ok[:, None], other=0.0)
+        if GATED:  # x is gate | up: silu(gate) * up, computed and rounded as silu_and_mul does
+            g = x.to(tl.float32)
+            u = tl.load(x_ptrs + K, mask=row_ok[:, None], other=0.0).to(tl.float32)
+            x = (g / (1.0 + tl.exp(-g)) * u).to(x_ptr.dtype.element_ty)
         w = tl.load(w_ptrs, mask=col_ok[:, None], other=0.0)
-        acc = tl.dot(x, tl.trans(w), acc)
+        if DOT_F32:  # exact products either way; the interpreter's 16-bit dot is unreliable
+            acc += tl.dot(x.to(tl.float32), tl.trans(w.to(tl.float32)), input_precision="ieee")
+        else:
+            acc += tl.dot(x, tl.trans(w))
         x_ptrs += BLOCK_K
         w_ptrs += BLOCK_K
-    y_ptrs = y_ptr + rows[:, None] * y_stride + cols[None, :]
-    tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])
+    # Rounded to the input dtype first, like the reference (a 16-bit linear, then .float()).
+    y = acc.to(x_ptr.dtype.element_ty).to(y_ptr.dtype.element_ty)
+    y_ptrs = y_ptr + rows[:, None].to(tl.int64) * y_stride + cols[None, :]
+    tl.store(y_ptrs, y, mask=row_ok[:, None] & col_ok[None, :])
 
 
 @dataclass(frozen=True)
@@ -58,33 +71,72 @@ class GemmConfig:
 
 
 def default_config(m: int, n: int, k: int) -> GemmConfig:
-    """The launch shape for an [m, k] x [n, k]^T product (chosen from the H200 sweep in
-    benchmarks/kernels/benchmark_gemm.py)."""
+    """A launch shape for any [m, k] x [n, k]^T product (the sweep's starting point)."""
     block_m = 16 if m <= 16 else (32 if m <= 32 else 64)
     block_k = 256 if k % 256 == 0 else 128
-    # Enough programs to cover the SMs a few times over when N is small.
     block_n = 32 if n <= 8192 else 64
     return GemmConfig(block_m, block_n, block_k, num_warps=4, num_stages=3)
 
 
-def supported(x: torch.Tensor, weight: torch.Tensor) -> bool:
-    """Whether the kernel handles this product (2-D, contiguous rows, 16-bit, K % 128 == 0)."""
-    return (x.is_cuda and x.dim() == 2 and weight.dim() == 2 and x.dtype == weight.dtype
-            and x.dtype in (torch.bfloat16, torch.float16) and x.shape[1] == weight.shape[1]
-            and x.shape[1] % 128 == 0 and x.stride(1) == 1 and weight.stride(1) == 1)
+# Shapes where this kernel beat cuBLAS and cuBLASLt on the H200 (bf16; time per call incl. the
+# split-K reduction cuBLAS adds; `benchmarks/kernels/benchmark_gemm.py`, see RESULTS.md), keyed
+# by (row bucket, N, K). Everything else stays with cuBLAS.
+_TUNED: dict[tuple[int, int, int], GemmConfig] = {
+    # 4096 x 4096 (self-attention output, cross-attention query and output): 13.1 vs 14.4 us
+    # at 1 row, 12.3 vs 14.2 us at 16; no split-K reduction node.
+    (16, 4096, 4096): GemmConfig(16, 32, 256, num_warps=4, num_stages=4),
+    # LM head 128256 x 4096: 238.6 vs 247.9 us (1 row), 247.5 vs 265.7 (32), 271.0 vs 281.3 (64).
+    (16, 128256, 4096): GemmConfig(16, 64, 256, num_warps=4, num_stages=3),
+    (32, 128256, 4096): GemmConfig(32, 128, 128, num_warps=4, num_stages=3),
+    (64, 128256, 4096): GemmConfig(64, 128, 128, num_warps=8, num_stages=3),
+}
+
+
+# silu_and_mul fused into the down projection (14336 -> 4096) at up to 16 rows: the Triton GEMM
+# (35.4 us at 1 row, 31.9 at 16) against cuBLAS's split-K pair (32.9 / 33.5 us) plus the
+# activation kernel; one launch instead of three. At 32+ rows cuBLASLt plus the activation wins.
+_TUNED_GATED: dict[tuple[int, int, int], GemmConfig] = {
+    (16, 4096, 14336): GemmConfig(16, 32, 256, num_warps=4, num_stages=5),
+}
+
+
+def row_bucket(m: int) -> int:
+    return 16 if m <= 16 else (32 if m <= 32 else (64 if m <= 64 else 0))
+
+
+def _eligible(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    return (x.is_cuda and x.dim() == 2 and x.dtype in (torch.bfloat16, torch.float16)
+            and weight.dtype == x.dtype and x.stride(1) == 1 and weight.stride(1) == 1)
+
+
+def tuned_config(x: torch.Tensor, weight: torch.Tensor, gated: bool = False) -> GemmConfig | None:
+    """The config for ``x @ weight^T`` on CUDA (with ``gated``: ``silu_and_mul(x) @ weight^T``,
+    x being [M, 2K] gate | up), or None where cuBLAS is faster."""
+    if not _eligible(x, weight):
+        return None
+    table = _TUNED_GATED if gated else _TUNED
+    return table.get((row_bucket(x.shape[0]), *weight.shape))
 
 
 def skinny_gemm(x: torch.Tensor, weight: torch.Tensor, config: GemmConfig | None = None,
-                out: torch.Tensor | None = None) -> torch.Tensor:
-    """x: [M, K], weight: [N, K] -> [M, N] (x @ weight^T, float32 accumulation)."""
-    m, k = x.shape
-    n = weight.shape[0]
+                out: torch.Tensor | None = None, gated: bool = False) -> torch.Tensor:
+    """x: [M, K], weight: [N, K] -> [M, N] (x @ weight^T, float32 accumulation, rounded to
+    x's dtype). ``out`` ([M, N], unit column stride) may be float32: the rounded values are
+    widened, as ``linear(x, w).float()`` would give. With ``gated``, x is [M, 2K] (gate | up)
+    and the product is ``silu_and_mul(x) @ weight^T`` with the activation never stored."""
+    m = x.shape[0]
+    n, k = weight.shape
+    if x.shape[1] != (2 * k if gated else k):
+        raise ValueError(f"input of shape {tuple(x.shape)} for a weight of {tuple(weight.shape)}"
+                         f"{' (gated)' if gated else ''}")
     cfg = config or default_config(m, n, k)
     if k % cfg.block_k:
         raise ValueError(f"K={k} is not a multiple of block_k={cfg.block_k}")
     y = out if out is not None else torch.empty((m, n), dtype=x.dtype, device=x.device)
+    assert y.shape == (m, n) and y.stride(1) == 1
     grid = (triton.cdiv(m, cfg.block_m), triton.cdiv(n, cfg.block_n))
-    _skinny_gemm_kernel[grid](x, weight, y, m, n, k, x.stride(0), weight.stride(0), y.stride(0),
+    _skinny_gemm_kernel[grid](x, weight, y, m, n, x.stride(0), weight.stride(0), y.stride(0),
+                              K=k, GATED=gated, DOT_F32=os.environ.get("TRITON_INTERPRET") == "1",
                               BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
                               num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     return y

@@ -32,7 +32,7 @@ class LlamaMLP(nn.Module):
         self.act = SiluAndMul()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.act(self.gate_up_proj(x)))
+        return self.down_proj.forward_gated(self.gate_up_proj(x), self.act)
 
 
 class LlamaSelfAttention(nn.Module):
@@ -47,8 +47,8 @@ class LlamaSelfAttention(nn.Module):
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         q, k, v = self.qkv_proj.split(self.qkv_proj(x))
-        q, k = self.rotary[0](positions, q, k)
-        return self.o_proj(self.attn(q, k, v))
+        # RoPE is applied by the attention layer: on CUDA fused into its KV-cache write.
+        return self.o_proj(self.attn(q, k, v, positions, self.rotary[0]))
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -230,9 +230,12 @@ class MllamaForConditionalGeneration(nn.Module):
         this prefill step's packed vision tokens (None in decode)."""
         return self.language_model.model(input_ids, positions, cross_attention_states)
 
-    def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        """[N, H] -> float32 logits [N, vocab]."""
-        return self.language_model.lm_head(hidden_states).float()
+    def compute_logits(self, hidden_states: torch.Tensor,
+                       out: torch.Tensor | None = None) -> torch.Tensor:
+        """[N, H] -> float32 logits [N, vocab] (written into ``out`` when given)."""
+        if out is None:
+            return self.language_model.lm_head(hidden_states).float()
+        return self.language_model.lm_head(hidden_states, out=out)
 
     def post_load(self) -> None:
         """Derived state computed once the weights are in place."""

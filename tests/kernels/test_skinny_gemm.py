@@ -1,0 +1,95 @@
+"""The Triton decode GEMM against torch (in Triton's interpreter on CPU, compiled on CUDA)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from vllm.model_executor.layers.linear import Linear
+from vllm.model_executor.layers.skinny_gemm import (
+    _TUNED,
+    GemmConfig,
+    row_bucket,
+    skinny_gemm,
+    tuned_config,
+)
+
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def _inputs(m: int, n: int, k: int, dtype: torch.dtype, seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(m, k, generator=g).to(DEVICE, dtype)
+    w = (0.05 * torch.randn(n, k, generator=g)).to(DEVICE, dtype)
+    return x, w
+
+
+@pytest.mark.parametrize("m", [1, 3, 16, 21])
+@pytest.mark.parametrize("cfg", [GemmConfig(16, 32, 128, num_stages=2),
+                                 GemmConfig(32, 64, 256, num_stages=2)])
+def test_matches_torch(m: int, cfg: GemmConfig) -> None:
+    """Row counts below, at and above the row block; N not a multiple of the column block."""
+    x, w = _inputs(m, 80, 512, torch.bfloat16, seed=m)
+    y = skinny_gemm(x, w, cfg)
+    ref = (x.float() @ w.float().T)
+    assert y.dtype == torch.bfloat16 and y.shape == (m, 80)
+    # fp32 accumulation in another order, then one bf16 rounding: within 2 bf16 ulps.
+    torch.testing.assert_close(y.float(), ref, rtol=2 ** -7, atol=1e-3)
+
+
+def test_float32_output_is_the_rounded_result_widened() -> None:
+    """An fp32 ``out`` gets exactly ``linear(x).float()`` of the kernel's own bf16 result."""
+    x, w = _inputs(5, 64, 256, torch.bfloat16)
+    cfg = GemmConfig(16, 32, 128, num_stages=2)
+    out = torch.full((5, 64), float("nan"), device=DEVICE)
+    skinny_gemm(x, w, cfg, out=out)
+    assert torch.equal(out, skinny_gemm(x, w, cfg).float())
+
+
+@pytest.mark.parametrize("m", [1, 7])
+def test_gated_equals_activation_then_gemm(m: int) -> None:
+    """silu(gate) * up inside the GEMM gives the bits of silu_and_mul followed by the GEMM."""
+    from vllm.model_executor.layers.fused_kernels import silu_and_mul
+
+    x, w = _inputs(m, 48, 256, torch.bfloat16, seed=7)
+    gate_up = torch.cat([x, 0.5 * x.flip(1)], dim=1)
+    cfg = GemmConfig(16, 32, 128, num_stages=2)
+    fused = skinny_gemm(gate_up, w, cfg, gated=True)
+    assert torch.equal(fused, skinny_gemm(silu_and_mul(gate_up), w, cfg))
+    ref = F.linear(F.silu(gate_up[:, :256].float()) * gate_up[:, 256:].float(), w.float())
+    torch.testing.assert_close(fused.float(), ref, rtol=2 ** -6, atol=2e-3)
+    with pytest.raises(ValueError, match="gated"):
+        skinny_gemm(x, w, cfg, gated=True)
+
+
+def test_rejects_k_not_a_multiple_of_the_block() -> None:
+    x, w = _inputs(2, 32, 192, torch.bfloat16)
+    with pytest.raises(ValueError, match="multiple of block_k"):
+        skinny_gemm(x, w, GemmConfig(16, 32, 128))
+
+
+def test_dispatch_only_for_tuned_cuda_shapes() -> None:
+    """cuBLAS stays in charge of every shape the sweep did not favour, and of CPU tensors."""
+    w = torch.empty(4096, 4096, dtype=torch.bfloat16)
+    assert tuned_config(torch.empty(1, 4096, dtype=torch.bfloat16), w) is None  # CPU
+    assert row_bucket(1) == row_bucket(16) == 16 and row_bucket(64) == 64 and row_bucket(65) == 0
+    for (bucket, _n, k), cfg in _TUNED.items():
+        assert k % cfg.block_k == 0 and cfg.block_m >= min(bucket, 16)
+    if DEVICE == "cuda":
+        wc = w.cuda()
+        assert tuned_config(torch.empty(8, 4096, dtype=torch.bfloat16, device="cuda"), wc)
+        assert tuned_config(torch.empty(128, 4096, dtype=torch.bfloat16, device="cuda"), wc) is None
+        assert tuned_config(torch.empty(8, 4096, device="cuda"), wc.float()) is None  # fp32
+
+
+def test_linear_out_argument_matches_float_of_result() -> None:
+    """``Linear(x, out=fp32)`` equals ``Linear(x).float()`` whichever kernel serves it."""
+    lin = Linear(256, 48).to(DEVICE, torch.bfloat16)
+    with torch.no_grad():
+        lin.weight.copy_(0.05 * torch.randn(48, 256))
+    x = torch.randn(3, 256).to(DEVICE, torch.bfloat16)
+    out = torch.empty(3, 48, device=DEVICE)
+    assert lin(x, out=out) is out
+    assert torch.equal(out, lin(x).float())
+    torch.testing.assert_close(lin(x), F.linear(x, lin.weight))
