@@ -290,8 +290,11 @@ def test_backend_fused_decode_shares_counters() -> None:
         max_encoder_seq_len=30,
         cross_block_tables=tables.flip(0).contiguous(),
     )
-    fused_be, two_be = TritonBackend(SMALL, fused_decode=True), TritonBackend(SMALL)
-    assert two_be._decode_counters(q, kc) is None  # CPU default: two kernels
+    fused_be = TritonBackend(SMALL, fused_decode=True)
+    two_be = TritonBackend(SMALL, fused_decode=False)
+    assert two_be._decode_counters(q, kc) is None
+    # The default: fused where launches cost (CUDA), two kernels in the interpreter.
+    assert (TritonBackend(SMALL)._decode_counters(q, kc) is None) == (DEVICE == "cpu")
     small = fused_be._decode_counters(q[:1], kc)
     for method in ("decode_self", "decode_cross"):
         got = getattr(fused_be, method)(q, kc, vc, md, 0.3)

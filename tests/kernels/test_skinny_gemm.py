@@ -47,22 +47,6 @@ def test_float32_output_is_the_rounded_result_widened() -> None:
     assert torch.equal(out, skinny_gemm(x, w, cfg).float())
 
 
-@pytest.mark.parametrize("m", [1, 7])
-def test_gated_equals_activation_then_gemm(m: int) -> None:
-    """silu(gate) * up inside the GEMM gives the bits of silu_and_mul followed by the GEMM."""
-    from vllm.model_executor.layers.fused_kernels import silu_and_mul
-
-    x, w = _inputs(m, 48, 256, torch.bfloat16, seed=7)
-    gate_up = torch.cat([x, 0.5 * x.flip(1)], dim=1)
-    cfg = GemmConfig(16, 32, 128, num_stages=2)
-    fused = skinny_gemm(gate_up, w, cfg, gated=True)
-    assert torch.equal(fused, skinny_gemm(silu_and_mul(gate_up), w, cfg))
-    ref = F.linear(F.silu(gate_up[:, :256].float()) * gate_up[:, 256:].float(), w.float())
-    torch.testing.assert_close(fused.float(), ref, rtol=2 ** -6, atol=2e-3)
-    with pytest.raises(ValueError, match="gated"):
-        skinny_gemm(x, w, cfg, gated=True)
-
-
 def test_rejects_k_not_a_multiple_of_the_block() -> None:
     x, w = _inputs(2, 32, 192, torch.bfloat16)
     with pytest.raises(ValueError, match="multiple of block_k"):

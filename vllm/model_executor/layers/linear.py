@@ -13,8 +13,6 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from vllm.model_executor.layers.activation import SiluAndMul
-
 
 class WeightShapeError(ValueError):
     """A checkpoint tensor does not have the shape its parameter expects."""
@@ -53,17 +51,6 @@ class Linear(nn.Module):
         if out is None:
             return y
         return out.copy_(y)
-
-    def forward_gated(self, gate_up: torch.Tensor, act: nn.Module) -> torch.Tensor:
-        """``forward(act(gate_up))`` for a gate | up input; on CUDA at decode sizes the
-        activation runs inside the GEMM (one launch, the activation never stored)."""
-        if self.bias is None and gate_up.is_cuda and isinstance(act, SiluAndMul):
-            from vllm.model_executor.layers.skinny_gemm import skinny_gemm, tuned_config
-
-            cfg = tuned_config(gate_up, self.weight, gated=True)
-            if cfg is not None:
-                return skinny_gemm(gate_up, self.weight, cfg, gated=True)
-        return self.forward(act(gate_up))
 
 
 class MergedLinear(Linear):

@@ -27,7 +27,7 @@ import triton.language as tl
 @triton.jit
 def _skinny_gemm_kernel(x_ptr, w_ptr, y_ptr, M, N, x_stride, w_stride, y_stride,
                         K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                        BLOCK_K: tl.constexpr, GATED: tl.constexpr, DOT_F32: tl.constexpr):
+                        BLOCK_K: tl.constexpr, DOT_F32: tl.constexpr):
     # Row blocks vary fastest: the programs reading one weight tile run back to back.
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
@@ -42,10 +42,6 @@ def _skinny_gemm_kernel(x_ptr, w_ptr, y_ptr, M, N, x_stride, w_stride, y_stride,
     # K is a multiple of BLOCK_K (checked by the caller): no K masks in the loop.
     for _ in range(0, K, BLOCK_K):
         x = tl.load(x_ptrs, mask=row_ok[:, None], other=0.0)
-        if GATED:  # x is gate | up: silu(gate) * up, computed and rounded as silu_and_mul does
-            g = x.to(tl.float32)
-            u = tl.load(x_ptrs + K, mask=row_ok[:, None], other=0.0).to(tl.float32)
-            x = (g / (1.0 + tl.exp(-g)) * u).to(x_ptr.dtype.element_ty)
         w = tl.load(w_ptrs, mask=col_ok[:, None], other=0.0)
         if DOT_F32:  # exact products either way; the interpreter's 16-bit dot is unreliable
             acc += tl.dot(x.to(tl.float32), tl.trans(w.to(tl.float32)), input_precision="ieee")
@@ -92,14 +88,6 @@ _TUNED: dict[tuple[int, int, int], GemmConfig] = {
 }
 
 
-# silu_and_mul fused into the down projection (14336 -> 4096) at up to 16 rows: the Triton GEMM
-# (35.4 us at 1 row, 31.9 at 16) against cuBLAS's split-K pair (32.9 / 33.5 us) plus the
-# activation kernel; one launch instead of three. At 32+ rows cuBLASLt plus the activation wins.
-_TUNED_GATED: dict[tuple[int, int, int], GemmConfig] = {
-    (16, 4096, 14336): GemmConfig(16, 32, 256, num_warps=4, num_stages=5),
-}
-
-
 def row_bucket(m: int) -> int:
     return 16 if m <= 16 else (32 if m <= 32 else (64 if m <= 64 else 0))
 
@@ -109,26 +97,22 @@ def _eligible(x: torch.Tensor, weight: torch.Tensor) -> bool:
             and weight.dtype == x.dtype and x.stride(1) == 1 and weight.stride(1) == 1)
 
 
-def tuned_config(x: torch.Tensor, weight: torch.Tensor, gated: bool = False) -> GemmConfig | None:
-    """The config for ``x @ weight^T`` on CUDA (with ``gated``: ``silu_and_mul(x) @ weight^T``,
-    x being [M, 2K] gate | up), or None where cuBLAS is faster."""
+def tuned_config(x: torch.Tensor, weight: torch.Tensor) -> GemmConfig | None:
+    """The config for ``x @ weight^T`` on CUDA, or None where cuBLAS is faster."""
     if not _eligible(x, weight):
         return None
-    table = _TUNED_GATED if gated else _TUNED
-    return table.get((row_bucket(x.shape[0]), *weight.shape))
+    return _TUNED.get((row_bucket(x.shape[0]), *weight.shape))
 
 
 def skinny_gemm(x: torch.Tensor, weight: torch.Tensor, config: GemmConfig | None = None,
-                out: torch.Tensor | None = None, gated: bool = False) -> torch.Tensor:
+                out: torch.Tensor | None = None) -> torch.Tensor:
     """x: [M, K], weight: [N, K] -> [M, N] (x @ weight^T, float32 accumulation, rounded to
     x's dtype). ``out`` ([M, N], unit column stride) may be float32: the rounded values are
-    widened, as ``linear(x, w).float()`` would give. With ``gated``, x is [M, 2K] (gate | up)
-    and the product is ``silu_and_mul(x) @ weight^T`` with the activation never stored."""
+    widened, as ``linear(x, w).float()`` would give."""
     m = x.shape[0]
     n, k = weight.shape
-    if x.shape[1] != (2 * k if gated else k):
-        raise ValueError(f"input of shape {tuple(x.shape)} for a weight of {tuple(weight.shape)}"
-                         f"{' (gated)' if gated else ''}")
+    if x.shape[1] != k:
+        raise ValueError(f"input of shape {tuple(x.shape)} for a weight of {tuple(weight.shape)}")
     cfg = config or default_config(m, n, k)
     if k % cfg.block_k:
         raise ValueError(f"K={k} is not a multiple of block_k={cfg.block_k}")
@@ -136,7 +120,7 @@ def skinny_gemm(x: torch.Tensor, weight: torch.Tensor, config: GemmConfig | None
     assert y.shape == (m, n) and y.stride(1) == 1
     grid = (triton.cdiv(m, cfg.block_m), triton.cdiv(n, cfg.block_n))
     _skinny_gemm_kernel[grid](x, weight, y, m, n, x.stride(0), weight.stride(0), y.stride(0),
-                              K=k, GATED=gated, DOT_F32=os.environ.get("TRITON_INTERPRET") == "1",
+                              K=k, DOT_F32=os.environ.get("TRITON_INTERPRET") == "1",
                               BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
                               num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     return y
