@@ -23,7 +23,6 @@ from vllm.attention.ops.triton_decode import (
     DEFAULT_DECODE_CONFIG,
     DecodeConfig,
     active_segments,
-    alloc_decode_counters,
     alloc_decode_workspace,
     default_decode_config,
     paged_decode_attention,
@@ -141,17 +140,15 @@ def decode_inputs(
     return buffer, q, kc, vc, tables, seq_lens
 
 
-def run_decode(
-    q, kc, vc, tables, seq_lens, config: DecodeConfig | None, counters: torch.Tensor | None = None
-) -> torch.Tensor:
+def run_decode(q, kc, vc, tables, seq_lens, config: DecodeConfig | None) -> torch.Tensor:
     """The kernel with its output and workspace poisoned: every element must be written, and
-    no partial result of an inactive segment may be read. ``counters``: the fused path."""
+    no partial result of an inactive segment may be read."""
     out = torch.full_like(q, float("nan"))
     config = config or default_decode_config(kc.dtype)
     ws = alloc_decode_workspace(q.shape[0], q.shape[1], q.shape[2], q.device, config)
     ws.fill_(float("nan"))
     return paged_decode_attention(
-        q, kc, vc, tables, seq_lens, 0.3, out=out, workspace=ws, config=config, counters=counters
+        q, kc, vc, tables, seq_lens, 0.3, out=out, workspace=ws, config=config
     )
 
 
@@ -234,75 +231,6 @@ def test_decode_batch_invariant(config: DecodeConfig | None) -> None:
         config,
     )
     assert torch.equal(alone[0], batch[target])
-
-
-# Eight active segments from 128 tokens: the merge spans every segment of the split.
-MANY = DecodeConfig(num_segments=8, block_n=16, min_chunk=16)
-
-
-@pytest.mark.parametrize(
-    ("lens", "num_heads", "num_kv_heads", "config"),
-    [
-        ([0, 1, 70, 0, 16, 33], 4, 4, SMALL),  # group of 1; zero-length rows among others
-        ([0, 1, 70, 0, 16, 33], 8, 2, SMALL),  # group of 4
-        ([128, 0, 100, 1], 8, 2, MANY),  # 8, 0, 7 and 1 active segments
-        ([0, 0], 8, 2, MANY),  # no active segment anywhere (a text-only cross batch)
-    ],
-)
-def test_decode_fused_matches_two_kernels(
-    lens: list[int], num_heads: int, num_kv_heads: int, config: DecodeConfig
-) -> None:
-    """One launch (the last segment merges) gives the two-kernel path's bits, leaves every
-    counter at 0, and so gives the same bits again on the next call with the same counters."""
-    _, q, kc, vc, tables, seq_lens = decode_inputs(
-        lens, num_heads, num_kv_heads, 32, 4, torch.float32, seed=len(lens) + num_kv_heads
-    )
-    two_kernels = run_decode(q, kc, vc, tables, seq_lens, config)
-    counters = alloc_decode_counters(len(lens), num_kv_heads, q.device)
-    fused = run_decode(q, kc, vc, tables, seq_lens, config, counters)
-    assert torch.equal(_bits(fused), _bits(two_kernels))
-    assert not counters.any()
-    expected = ref.paged_decode_attention(q, kc, vc, tables, seq_lens, 0.3)
-    torch.testing.assert_close(fused, expected, **FP32_TOL)
-    for i, n in enumerate(lens):
-        if n == 0:
-            assert torch.equal(_bits(fused[i]), _bits(torch.zeros_like(fused[i])))
-    again = run_decode(q, kc, vc, tables, seq_lens, config, counters)
-    assert torch.equal(_bits(again), _bits(fused))
-    assert not counters.any()
-
-
-def test_backend_fused_decode_shares_counters() -> None:
-    """The back-end's fused decode: the two-kernel bits for self and cross, one counter buffer
-    for both, grown (never shrunk) with the batch, the replaced one kept for old graphs."""
-    hq, hkv, d, page = 4, 2, 16, 4
-    lens = [0, 13, 30]
-    _, q, kc, vc, tables, seq_lens = decode_inputs(lens, hq, hkv, d, page, torch.float32, 19)
-    md = AttentionMetadata(
-        is_prefill=False,
-        num_seqs=3,
-        num_tokens=3,
-        slot_mapping=torch.full((3,), -1, dtype=torch.int64, device=DEVICE),
-        seq_lens_tensor=seq_lens,
-        max_seq_len=30,
-        block_tables=tables,
-        encoder_seq_lens_tensor=seq_lens.flip(0).contiguous(),
-        max_encoder_seq_len=30,
-        cross_block_tables=tables.flip(0).contiguous(),
-    )
-    fused_be = TritonBackend(SMALL, fused_decode=True)
-    two_be = TritonBackend(SMALL, fused_decode=False)
-    assert two_be._decode_counters(q, kc) is None
-    # The default: fused where launches cost (CUDA), two kernels in the interpreter.
-    assert (TritonBackend(SMALL)._decode_counters(q, kc) is None) == (DEVICE == "cpu")
-    small = fused_be._decode_counters(q[:1], kc)
-    for method in ("decode_self", "decode_cross"):
-        got = getattr(fused_be, method)(q, kc, vc, md, 0.3)
-        assert torch.equal(got, getattr(two_be, method)(q, kc, vc, md, 0.3))
-    (shared,) = fused_be._counters.values()
-    assert shared.numel() >= len(lens) * hkv and not shared.any()
-    assert [c.data_ptr() for c in fused_be._retired_counters] == [small.data_ptr()]
-    assert fused_be._decode_counters(q[:2], kc).data_ptr() == shared.data_ptr()
 
 
 def test_segment_split_fills_the_gpu() -> None:
@@ -543,20 +471,6 @@ def test_decode_large_matches_reference(
     tol = FP32_TOL if dtype == torch.float32 else HALF_TOL
     torch.testing.assert_close(out.float(), expected.float(), **tol)
     assert torch.equal(out[0], torch.zeros_like(out[0]))
-
-
-@GPU
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-def test_decode_fused_large_matches_two_kernels(dtype: torch.dtype) -> None:
-    """Real shapes and up to 64 segments: which program merges varies from run to run on the
-    GPU, the bits may not (default configs merge with as many warps in both paths)."""
-    _, q, kc, vc, tables, seq_lens = decode_inputs(SELF_LENS, 32, 8, 128, 16, dtype, seed=43)
-    two_kernels = run_decode(q, kc, vc, tables, seq_lens, None)
-    counters = alloc_decode_counters(len(SELF_LENS), 8, DEVICE)
-    for _ in range(3):
-        fused = run_decode(q, kc, vc, tables, seq_lens, None, counters)
-        assert torch.equal(_bits(fused), _bits(two_kernels))
-        assert not counters.any()
 
 
 @GPU

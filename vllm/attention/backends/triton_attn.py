@@ -12,11 +12,7 @@ import torch
 
 from vllm.attention.metadata import AttentionMetadata
 from vllm.attention.ops import reference as ref
-from vllm.attention.ops.triton_decode import (
-    DecodeConfig,
-    alloc_decode_counters,
-    paged_decode_attention,
-)
+from vllm.attention.ops.triton_decode import DecodeConfig, paged_decode_attention
 from vllm.attention.ops.triton_kv_write import rope_and_write_kv_cache, write_kv_cache
 from vllm.attention.ops.triton_prefill import ranged_cross_attention, varlen_causal_attention
 from vllm.utils import to_device
@@ -34,7 +30,7 @@ class TritonBackend:
     fuses_rope = True  # implements ``write_kv_rope`` (RoPE + KV write in one launch)
 
     def __init__(self, decode_config: DecodeConfig | None = None,
-                 prefill: str = "sdpa", fused_decode: bool | None = None) -> None:
+                 prefill: str = "sdpa") -> None:
         # None: the per-dtype default (``default_decode_config``); static for the process,
         # so every captured graph and every eager step split the KV the same way.
         self.decode_config = decode_config
@@ -44,43 +40,6 @@ class TritonBackend:
         if prefill not in ("sdpa", "triton"):
             raise ValueError(f"prefill must be 'sdpa' or 'triton', got {prefill!r}")
         self.prefill = prefill
-        # Decode in one kernel per call (the segments merge in-kernel through counters) rather
-        # than a segment kernel plus a combine: one graph node less per attention layer.
-        # None: on CUDA only, where launches cost; the interpreter (CPU) keeps the reference
-        # two-kernel path.
-        self.fused_decode = fused_decode
-        # One flat zeroed int32 buffer per device, shared by every layer and by decode_self and
-        # decode_cross: calls on one stream run one after another and each leaves its
-        # counters at 0. Grown when a larger batch arrives; the buffers it replaces are kept,
-        # since a graph captured earlier still points at them.
-        self._counters: dict[torch.device, torch.Tensor] = {}
-        self._retired_counters: list[torch.Tensor] = []
-
-    def _decode_counters(self, query: torch.Tensor, key_cache: torch.Tensor) -> torch.Tensor | None:
-        """[batch, num_kv_heads] zeroed counters for a fused decode, or None (two kernels).
-
-        Growth allocates and zero-fills, so it must not happen while a CUDA graph is being
-        captured; it does not, because the graph runner warms up at each batch size (largest
-        first) before capturing it. A capture that would grow the buffer raises instead.
-        """
-        device = query.device
-        fused = self.fused_decode if self.fused_decode is not None else device.type == "cuda"
-        if not fused:
-            return None
-        need = query.shape[0] * key_cache.shape[1]
-        buf = self._counters.get(device)
-        if buf is None or buf.numel() < need:
-            if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
-                raise RuntimeError(
-                    f"decode counters would grow to {need} during CUDA graph capture: run "
-                    "this batch size eagerly (warm-up) before capturing it"
-                )
-            if buf is not None:
-                self._retired_counters.append(buf)
-            # Powers of two: few growths, so few retired buffers.
-            buf = alloc_decode_counters(1, 1 << (need - 1).bit_length(), device).view(-1)
-            self._counters[device] = buf
-        return buf[:need].view(query.shape[0], key_cache.shape[1])
 
     def write_kv(
         self,
@@ -146,7 +105,6 @@ class TritonBackend:
             md.seq_lens_tensor,
             scale,
             config=self.decode_config,
-            counters=self._decode_counters(query, key_cache),
         )
 
     def prefill_cross(
@@ -184,5 +142,4 @@ class TritonBackend:
             md.encoder_seq_lens_tensor,
             scale,
             config=self.decode_config,
-            counters=self._decode_counters(query, key_cache),
         )

@@ -1,4 +1,4 @@
-"""Paged decode attention in Triton: split-K over a fixed number of KV segments, merged in-kernel.
+"""Paged decode attention in Triton: split-K over a fixed number of KV segments, then a combine.
 
 One query token per sequence reads its K/V through a page table (self-attention: the
 sequence's pages and ``seq_lens``; cross-attention: the encoder pages and ``encoder_seq_lens``).
@@ -6,27 +6,18 @@ sequence's pages and ``seq_lens``; cross-attention: the encoder pages and ``enco
 Why this shape (see DESIGN.md, "CUDA graphs: the contract"):
 
 * The launch depends only on static configuration and the batch size: the grid is
-  ``(num_segments, num_kv_heads, batch)``, so one captured graph serves every mix of lengths.
-  Each segment computes its own share of its sequence on the device (``_segment_chunk``), so a
-  batch of one with a long KV still spreads over ``num_segments * num_kv_heads`` programs and
-  fills the GPU.
-* One kernel per call (the fused path, given ``counters``): a decode step is a graph of
-  hundreds of kernel nodes, each costing host launch time and GPU time, so the merge does not
-  get a launch of its own. Each active segment writes its partial (output, max, sum) rows to
-  an fp32 workspace and counts itself in on an int32 counter per (sequence, KV head) with an
-  acq_rel atomic; the program that sees ``num_active - 1`` is the last, merges every active
-  segment for the group's query heads and resets the counter to 0 for the next call or replay.
-  Without ``counters`` a separate combine kernel over ``(batch, num_heads)`` does the merge
-  (kept as the reference the fused path is tested against).
+  ``(num_segments, num_kv_heads, batch)`` for the segment kernel and ``(batch, num_heads)`` for
+  the combine, so one captured graph serves every mix of lengths. Each segment computes its own
+  share of its sequence on the device (``_segment_chunk``), so a batch of one with a long KV
+  still spreads over ``num_segments * num_kv_heads`` programs and fills the GPU.
 * A sequence's result depends only on its own length, its K/V and the static configuration:
-  not on batch-mates, the page-table width, any host maximum, nor which program finishes
-  last. Both paths merge the segments of one (sequence, head) with the same code, in one
-  fixed order. Same inputs, same bits.
+  not on batch-mates, the page-table width or any host maximum. The combine reduces the
+  segments of one (sequence, head) in one fixed order. Same inputs, same bits.
 * One program handles all query heads of one KV head (GQA), so K/V are read once. The group is
   padded to 16 rows for ``tl.dot``; the extra rows are zeros and never stored.
 * Nothing past a sequence's length is read: neither the page table nor the cache rows (the
   null page and the tails of last pages may hold garbage, NaN included). A zero-length KV has
-  no active segment and yields exact zeros (in the fused path segment 0 writes them).
+  no active segment and yields exact zeros.
 """
 
 from __future__ import annotations
@@ -47,10 +38,7 @@ class DecodeConfig:
 
     ``num_segments`` is the fixed split count per (sequence, KV head); ``min_chunk`` the
     smallest share of a segment (a multiple of ``block_n``), so short sequences use fewer
-    segments and write fewer partial results. The fused path merges with ``num_warps``;
-    ``combine_num_warps`` is the two-kernel path's. Keep them equal where the two paths must
-    agree bit for bit on the GPU: ``tl.sum``'s order follows the register layout, which
-    follows the warp count (the interpreter has no layouts).
+    segments and write fewer partial results.
     """
 
     num_segments: int = 64
@@ -74,7 +62,7 @@ class DecodeConfig:
 
 DEFAULT_DECODE_CONFIG = DecodeConfig()
 # fp32 caches (tests, CPU parity): IEEE products need twice the warps to stay out of spills.
-FP32_DECODE_CONFIG = DecodeConfig(num_warps=8, combine_num_warps=8)
+FP32_DECODE_CONFIG = DecodeConfig(num_warps=8)
 
 
 def default_decode_config(dtype: torch.dtype) -> DecodeConfig:
@@ -116,55 +104,6 @@ def online_softmax_update(s, v, m_i, l_i, acc, DOT_PRECISION: tl.constexpr):
 
 
 @triton.jit
-def _merge_segments(
-    ws_ptr,
-    out_ptr,
-    b,
-    h,
-    num_active,
-    stride_ob,
-    stride_oh,
-    NUM_HEADS: tl.constexpr,
-    HEAD_DIM: tl.constexpr,
-    WS_ROW: tl.constexpr,
-    BLOCK_D: tl.constexpr,
-    NUM_SEGMENTS: tl.constexpr,
-):
-    """Merges the first ``num_active`` segments of one (sequence, head) into its output row.
-
-    Shared by the combine kernel and the fused path, so both give the same bits: one
-    fixed-shape ``tl.sum`` over the segments; inactive ones weigh 0 and are never read.
-    Loads bypass L1 (``.cg``): in the fused path other programs, on other SMs, wrote these
-    rows during this launch, and L1 is not coherent across SMs.
-    """
-    offs_s = tl.arange(0, NUM_SEGMENTS)
-    offs_d = tl.arange(0, BLOCK_D)
-    s_mask = offs_s < num_active
-    d_mask = offs_d < HEAD_DIM
-    rows = ((b.to(tl.int64) * NUM_HEADS + h) * NUM_SEGMENTS + offs_s) * WS_ROW
-    m = tl.load(ws_ptr + rows + HEAD_DIM, mask=s_mask, other=float("-inf"), cache_modifier=".cg")
-    seg_l = tl.load(ws_ptr + rows + HEAD_DIM + 1, mask=s_mask, other=0.0, cache_modifier=".cg")
-    m_max = tl.max(m, 0)
-    m_use = tl.where(num_active > 0, m_max, 0.0)
-    w = tl.where(s_mask, tl.exp2(m - m_use), 0.0)
-    denom = tl.sum(w * seg_l, 0)
-    acc = tl.load(
-        ws_ptr + rows[:, None] + offs_d[None, :],
-        mask=s_mask[:, None] & d_mask[None, :],
-        other=0.0,
-        cache_modifier=".cg",
-    )
-    num = tl.sum(acc * w[:, None], 0)
-    # A zero-length KV has denom 0: exact zeros, never 0/0.
-    out = tl.where(denom > 0.0, num / tl.where(denom > 0.0, denom, 1.0), 0.0)
-    tl.store(
-        out_ptr + b.to(tl.int64) * stride_ob + h * stride_oh + offs_d,
-        out.to(out_ptr.dtype.element_ty),
-        mask=d_mask,
-    )
-
-
-@triton.jit
 def _decode_segment_kernel(
     q_ptr,
     k_cache_ptr,
@@ -172,8 +111,6 @@ def _decode_segment_kernel(
     block_tables_ptr,
     seq_lens_ptr,
     ws_ptr,
-    out_ptr,
-    counters_ptr,
     scale_log2,
     stride_qb,
     stride_qh,
@@ -184,8 +121,6 @@ def _decode_segment_kernel(
     stride_vh,
     stride_vt,
     stride_bt,
-    stride_ob,
-    stride_oh,
     NUM_HEADS: tl.constexpr,
     GROUP: tl.constexpr,
     HEAD_DIM: tl.constexpr,
@@ -197,14 +132,11 @@ def _decode_segment_kernel(
     NUM_SEGMENTS: tl.constexpr,
     MIN_CHUNK: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
-    FUSED: tl.constexpr,
 ):
     """Grid (NUM_SEGMENTS, num_kv_heads, batch): one segment of one (sequence, KV head).
 
     Writes the segment's unnormalised output and its (max, sum) for every query head of the
-    group into the workspace row ``[b, head, seg]``; inactive segments write nothing. With
-    ``FUSED`` the last active segment to finish also merges them into ``out`` (no combine
-    kernel); otherwise ``out_ptr`` and ``counters_ptr`` are unused.
+    group into the workspace row ``[b, head, seg]``; inactive segments write nothing.
     """
     seg = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -259,38 +191,6 @@ def _decode_segment_kernel(
         )
         tl.store(ws_ptr + rows + HEAD_DIM, m_i, mask=g_mask)
         tl.store(ws_ptr + rows + HEAD_DIM + 1, l_i, mask=g_mask)
-    if FUSED:
-        num_active = tl.cdiv(length, chunk)
-        counter = counters_ptr + b.to(tl.int64) * tl.num_programs(1) + kvh
-        if start < length:
-            # The atomic runs on one thread: the barrier puts every thread's stores before
-            # its release, so the last program's acquire sees all of them.
-            tl.debug_barrier()
-            prev = tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu")
-        else:
-            # Inactive segments do not count. A zero-length KV has none active: its segment 0
-            # stands in as the last of zero and writes the exact zeros of an empty merge.
-            prev = tl.where(seg == 0, -1, -2)
-        # Whichever program is last, the merge reads the same rows in the same order.
-        if prev == num_active - 1:
-            for g in tl.static_range(GROUP):
-                _merge_segments(
-                    ws_ptr,
-                    out_ptr,
-                    b,
-                    kvh * GROUP + g,
-                    num_active,
-                    stride_ob,
-                    stride_oh,
-                    NUM_HEADS,
-                    HEAD_DIM,
-                    WS_ROW,
-                    BLOCK_D,
-                    NUM_SEGMENTS,
-                )
-            # Every other active segment has counted already (with none active it is 0 and
-            # untouched by anyone else): reset for the next launch or graph replay.
-            tl.atomic_xchg(counter, 0, sem="relaxed", scope="gpu")
 
 
 @triton.jit
@@ -308,27 +208,37 @@ def _decode_combine_kernel(
     NUM_SEGMENTS: tl.constexpr,
     MIN_CHUNK: tl.constexpr,
 ):
-    """Two-kernel path, grid (batch, num_heads): merges the active segments of one (sequence,
-    head). Their number is recomputed from the length, so segments that wrote nothing are
-    never read."""
+    """Grid (batch, num_heads): merges the active segments of one (sequence, head).
+
+    The number of active segments is recomputed from the length, so segments that wrote
+    nothing are never read. The reduction over segments is one fixed-shape ``tl.sum``.
+    """
     b = tl.program_id(0)
     h = tl.program_id(1)
     length = tl.load(seq_lens_ptr + b)
     chunk = _segment_chunk(length, NUM_SEGMENTS, BLOCK_N, MIN_CHUNK)
     num_active = tl.cdiv(length, chunk)
-    _merge_segments(
-        ws_ptr,
-        out_ptr,
-        b,
-        h,
-        num_active,
-        stride_ob,
-        stride_oh,
-        NUM_HEADS,
-        HEAD_DIM,
-        WS_ROW,
-        BLOCK_D,
-        NUM_SEGMENTS,
+    offs_s = tl.arange(0, NUM_SEGMENTS)
+    offs_d = tl.arange(0, BLOCK_D)
+    s_mask = offs_s < num_active
+    d_mask = offs_d < HEAD_DIM
+    rows = ((b.to(tl.int64) * NUM_HEADS + h) * NUM_SEGMENTS + offs_s) * WS_ROW
+    m = tl.load(ws_ptr + rows + HEAD_DIM, mask=s_mask, other=float("-inf"))
+    seg_l = tl.load(ws_ptr + rows + HEAD_DIM + 1, mask=s_mask, other=0.0)
+    m_max = tl.max(m, 0)
+    m_use = tl.where(num_active > 0, m_max, 0.0)
+    w = tl.where(s_mask, tl.exp2(m - m_use), 0.0)
+    denom = tl.sum(w * seg_l, 0)
+    acc = tl.load(
+        ws_ptr + rows[:, None] + offs_d[None, :], mask=s_mask[:, None] & d_mask[None, :], other=0.0
+    )
+    num = tl.sum(acc * w[:, None], 0)
+    # A zero-length KV has denom 0: exact zeros, never 0/0.
+    out = tl.where(denom > 0.0, num / tl.where(denom > 0.0, denom, 1.0), 0.0)
+    tl.store(
+        out_ptr + b.to(tl.int64) * stride_ob + h * stride_oh + offs_d,
+        out.to(out_ptr.dtype.element_ty),
+        mask=d_mask,
     )
 
 
@@ -355,14 +265,6 @@ def alloc_decode_workspace(
     )
 
 
-def alloc_decode_counters(batch: int, num_kv_heads: int, device: torch.device) -> torch.Tensor:
-    """[batch, num_kv_heads] int32 zeros: the fused path's arrival count per (sequence, KV head).
-
-    Every fused call leaves them at zero again, so one buffer serves any number of calls and
-    graph replays, provided they run one after another (one stream)."""
-    return torch.zeros(batch, num_kv_heads, dtype=torch.int32, device=device)
-
-
 def paged_decode_attention(
     query: torch.Tensor,  # [B, num_heads, head_dim]
     key_cache: torch.Tensor,  # [num_pages, num_kv_heads, page_size, head_dim], any strides
@@ -374,14 +276,11 @@ def paged_decode_attention(
     out: torch.Tensor | None = None,  # [B, num_heads, head_dim], written entirely
     workspace: torch.Tensor | None = None,  # from alloc_decode_workspace
     config: DecodeConfig | None = None,  # None: default_decode_config(key_cache.dtype)
-    counters: torch.Tensor | None = None,  # from alloc_decode_counters: one fused launch
 ) -> torch.Tensor:
     """Decode attention of one query token per sequence over its paged K/V (fp32 accumulate).
 
-    With ``counters`` one kernel does it all (the last segment of each (sequence, KV head)
-    merges); without, a segment kernel then a combine kernel. Same bits either way. Free of
-    host synchronisation and of launch parameters that depend on lengths: safe to capture in
-    a CUDA graph.
+    Free of host synchronisation and of launch parameters that depend on lengths: safe to
+    capture in a CUDA graph.
     """
     b, num_heads, head_dim = query.shape
     _, num_kv_heads, page_size, cache_dim = key_cache.shape
@@ -402,9 +301,6 @@ def paged_decode_attention(
         workspace = alloc_decode_workspace(b, num_heads, head_dim, query.device, config)
     assert workspace.is_contiguous() and workspace.dtype == torch.float32
     assert workspace.shape == (b, num_heads, config.num_segments, workspace_row(head_dim))
-    if counters is not None:
-        assert counters.dtype == torch.int32 and counters.is_contiguous()
-        assert counters.shape == (b, num_kv_heads)
     group = num_heads // num_kv_heads
     block_d = max(16, triton.next_power_of_2(head_dim))
     block_g = max(16, triton.next_power_of_2(group))
@@ -415,8 +311,6 @@ def paged_decode_attention(
         block_tables,
         seq_lens,
         workspace,
-        out,
-        seq_lens if counters is None else counters,  # unused by the two-kernel path
         scale * LOG2E,
         query.stride(0),
         query.stride(1),
@@ -427,8 +321,6 @@ def paged_decode_attention(
         value_cache.stride(1),
         value_cache.stride(2),
         block_tables.stride(0),
-        out.stride(0),
-        out.stride(1),
         NUM_HEADS=num_heads,
         GROUP=group,
         HEAD_DIM=head_dim,
@@ -440,20 +332,9 @@ def paged_decode_attention(
         NUM_SEGMENTS=config.num_segments,
         MIN_CHUNK=config.min_chunk,
         DOT_PRECISION=dot_precision(key_cache.dtype),
-        FUSED=counters is not None,
         num_warps=config.num_warps,
         num_stages=config.num_stages,
     )
-    if counters is None:
-        _launch_combine(workspace, seq_lens, out, config)
-    return out
-
-
-def _launch_combine(
-    workspace: torch.Tensor, seq_lens: torch.Tensor, out: torch.Tensor, config: DecodeConfig
-) -> None:
-    """The two-kernel path's second launch: grid (batch, num_heads)."""
-    b, num_heads, head_dim = out.shape
     _decode_combine_kernel[(b, num_heads)](
         workspace,
         seq_lens,
@@ -463,12 +344,13 @@ def _launch_combine(
         NUM_HEADS=num_heads,
         HEAD_DIM=head_dim,
         WS_ROW=workspace_row(head_dim),
-        BLOCK_D=max(16, triton.next_power_of_2(head_dim)),
+        BLOCK_D=block_d,
         BLOCK_N=config.block_n,
         NUM_SEGMENTS=config.num_segments,
         MIN_CHUNK=config.min_chunk,
         num_warps=config.combine_num_warps,
     )
+    return out
 
 
 def active_segments(length: int, config: DecodeConfig = DEFAULT_DECODE_CONFIG) -> int:
