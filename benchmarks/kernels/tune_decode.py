@@ -76,7 +76,7 @@ def main() -> None:
           if r["bs1_image_us"] <= base["bs1_image_us"] + args.bs1_slack_us
           and all(r["us"][k] <= 1.1 * base["us"][k] for k in POINTS if k != "self_64x512")]
     best = min(ok, key=lambda r: r["mixed64_us"])
-    print("BEST " + json.dumps(best["config"]))
+    print("BEST " + json.dumps(best["config"], separators=(",", ":")))
     print(f"mixed64 attention {base['mixed64_us']:.0f} -> {best['mixed64_us']:.0f} us per step;"
           f" bs1 image {base['bs1_image_us']:.0f} -> {best['bs1_image_us']:.0f} us")
     if args.json:
