@@ -34,7 +34,7 @@ def main() -> None:
     # The server's defaults (the LLM class alone would prefill first).
     ap.add_argument("--decode-interleave-tokens", type=int, default=256)
     ap.add_argument("--encoder-layers-per-step", type=int, default=4)
-    ap.add_argument("--prefill-layers-per-step", type=int, default=10)
+    ap.add_argument("--prefill-layers-per-step", type=int, default=5)
     ap.add_argument("--concurrency", type=int, default=32)
     ap.add_argument("--num-requests", type=int, default=96)
     ap.add_argument("--input-len", type=int, default=200)

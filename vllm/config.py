@@ -89,7 +89,7 @@ class SchedulerConfig:
     max_num_encoder_tiles: int = 16  # per-step vision budget; each image costs max_num_tiles
     decode_interleave_tokens: int = 256
     encoder_layers_per_step: int = 4
-    prefill_layers_per_step: int = 10  # while interleaving: spread a prefill over decode steps
+    prefill_layers_per_step: int = 5  # while interleaving: spread a prefill over decode steps
 
 
 @dataclass(frozen=True)

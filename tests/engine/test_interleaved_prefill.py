@@ -162,7 +162,7 @@ def test_offline_default_is_prefill_first() -> None:
     served = EngineArgs(model="demo/mllama-tiny", max_model_len=256).create_engine_config()
     sc = served.scheduler_config
     assert (sc.decode_interleave_tokens, sc.encoder_layers_per_step,
-            sc.prefill_layers_per_step) == (256, 4, 10)
+            sc.prefill_layers_per_step) == (256, 4, 5)
 
 
 @pytest.mark.parametrize("async_scheduling", [True, False])

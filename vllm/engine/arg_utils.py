@@ -213,7 +213,7 @@ class EngineArgs:
                 f"{limit_images} image(s) of {max_tiles} tiles; raise it or lower "
                 "--limit-mm-per-prompt")
         interleave = {"decode_interleave_tokens": 256, "encoder_layers_per_step": 4,
-                      "prefill_layers_per_step": 10}
+                      "prefill_layers_per_step": 5}
         for name, default in interleave.items():
             value = getattr(self, name)
             interleave[name] = default if value is None else value

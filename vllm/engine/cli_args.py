@@ -122,7 +122,7 @@ _FLAG_SPECS: dict[str, dict[str, Any]] = {
         "type": int,
         "help": "While sequences decode (interleaved prefill), run an admitted prefill this "
         "many text layers per decode step instead of in one step, so its eager launch is "
-        "spread out (a decode step runs next to each slice). 0: one step. Default 10 "
+        "spread out (a decode step runs next to each slice). 0: one step. Default 5 "
         "(the offline LLM class: 0).",
     },
     "gpu_memory_utilization": {
