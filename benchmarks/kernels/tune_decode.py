@@ -36,7 +36,9 @@ POINTS = {  # name: (kind, batch, kv_len, page)
 def candidates() -> list[DecodeConfig]:
     base = DEFAULT_DECODE_CONFIG
     out = [base]
-    for bn, mc, w, st in itertools.product((64, 128), (128, 256, 512), (4, 8), (2, 3)):
+    # Shared memory bounds how many programs an SM holds (stages x block_n x head_dim x 2 tiles),
+    # which is what limits short contexts at large batch: small tiles and few stages included.
+    for bn, mc, w, st in itertools.product((32, 64), (128, 256), (2, 4), (1, 2, 3)):
         if mc < bn:
             continue
         cfg = dataclasses.replace(base, block_n=bn, min_chunk=mc, num_warps=w, num_stages=st)
