@@ -17,7 +17,7 @@ import torch
 import triton
 import triton.language as tl
 
-from vllm.model_executor.layers.fused_kernels import _rope_heads
+from vllm.model_executor.layers.fused_kernels import _rope_cos_sin, _rope_heads
 
 
 @triton.jit
@@ -71,6 +71,17 @@ def _kv_write_kernel(
     )
 
 
+def _check_cache(key_cache: torch.Tensor, value_cache: torch.Tensor, slot_mapping: torch.Tensor,
+                 num_tokens: int, num_kv_heads: int, head_dim: int) -> None:
+    """The layout both writers assume: equal [pages, Hkv, page_size, D] views with unit last
+    stride, and one contiguous int64 slot per token."""
+    assert key_cache.shape == value_cache.shape
+    assert key_cache.shape[1] == num_kv_heads and key_cache.shape[3] == head_dim
+    assert key_cache.stride(-1) == 1 and value_cache.stride(-1) == 1
+    assert slot_mapping.shape == (num_tokens,)
+    assert slot_mapping.dtype == torch.int64 and slot_mapping.is_contiguous()
+
+
 def write_kv_cache(
     key: torch.Tensor,  # [N, num_kv_heads, head_dim]
     value: torch.Tensor,
@@ -82,11 +93,8 @@ def write_kv_cache(
 ) -> None:
     """Writes each token's K/V into its slot; values are cast to the cache dtype."""
     n, num_kv_heads, head_dim = key.shape
-    assert value.shape == key.shape and slot_mapping.shape == (n,)
-    assert key_cache.shape == value_cache.shape
-    assert key_cache.shape[1] == num_kv_heads and key_cache.shape[3] == head_dim
-    assert key_cache.stride(-1) == 1 and value_cache.stride(-1) == 1
-    assert slot_mapping.dtype == torch.int64 and slot_mapping.is_contiguous()
+    assert value.shape == key.shape
+    _check_cache(key_cache, value_cache, slot_mapping, n, num_kv_heads, head_dim)
     if n == 0:
         return
     key, value = (t if t.stride(-1) == 1 else t.contiguous() for t in (key, value))
@@ -147,11 +155,8 @@ def _rope_kv_write_kernel(
     """Grid (num_tokens,): rotates token i's q and k heads in place (the arithmetic of
     ``rotary_inplace``), then writes the rotated k and the v rows into the token's slot."""
     i = tl.program_id(0).to(tl.int64)
-    pos = tl.load(pos_ptr + i)
-    pos = tl.where(pos < 0, 0, pos)  # padding rows: any position, their output is unused
+    cos, sin = _rope_cos_sin(pos_ptr, i, cos_ptr, sin_ptr, stride_cos, HALF)
     d = tl.arange(0, HALF)
-    cos = tl.load(cos_ptr + pos * stride_cos + d)
-    sin = tl.load(sin_ptr + pos * stride_cos + d)
     _rope_heads(q_ptr + i * stride_qn, NUM_Q_HEADS, cos, sin, HALF, HEAD_DIM, BLOCK_QH)
     # k is stored rotated in place as well: prefill attention reads it from the projection.
     k1, k2 = _rope_heads(k_ptr + i * stride_kn, NUM_KV_HEADS, cos, sin, HALF, HEAD_DIM, BLOCK_KH)
@@ -202,10 +207,8 @@ def rope_and_write_kv_cache(
     head_dim = key_cache.shape[3]
     q, k, v = (_token_rows(x, n, head_dim) for x in (query, key, value))
     num_q_heads, num_kv_heads = q.shape[1] // head_dim, k.shape[1] // head_dim
-    assert v.shape == k.shape and slot_mapping.shape == (n,)
-    assert key_cache.shape == value_cache.shape and key_cache.shape[1] == num_kv_heads
-    assert key_cache.stride(-1) == 1 and value_cache.stride(-1) == 1
-    assert slot_mapping.dtype == torch.int64 and slot_mapping.is_contiguous()
+    assert v.shape == k.shape
+    _check_cache(key_cache, value_cache, slot_mapping, n, num_kv_heads, head_dim)
     assert cos_cache.stride() == sin_cache.stride() and cos_cache.stride(1) == 1
     if n == 0:
         return

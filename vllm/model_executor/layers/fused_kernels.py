@@ -127,15 +127,20 @@ def _rope_heads(ptr, num_heads, cos, sin, HALF: tl.constexpr, HEAD_DIM: tl.const
 
 
 @triton.jit
+def _rope_cos_sin(pos_ptr, tok, cos_ptr, sin_ptr, cache_stride, HALF: tl.constexpr):
+    """The cos/sin half-rows of token ``tok``'s position (padding rows, < 0, read position 0)."""
+    pos = tl.load(pos_ptr + tok)
+    pos = tl.where(pos < 0, 0, pos)  # padding rows: any position, their output is unused
+    d = tl.arange(0, HALF)
+    return tl.load(cos_ptr + pos * cache_stride + d), tl.load(sin_ptr + pos * cache_stride + d)
+
+
+@triton.jit
 def _rope_kernel(q_ptr, k_ptr, pos_ptr, cos_ptr, sin_ptr, q_stride, k_stride, cache_stride,
                  num_q_heads, num_k_heads, HALF: tl.constexpr, HEAD_DIM: tl.constexpr,
                  BLOCK_H: tl.constexpr):
     tok = tl.program_id(0)
-    pos = tl.load(pos_ptr + tok)
-    pos = tl.where(pos < 0, 0, pos)  # padding rows: any position, their output is unused
-    d = tl.arange(0, HALF)
-    cos = tl.load(cos_ptr + pos * cache_stride + d)
-    sin = tl.load(sin_ptr + pos * cache_stride + d)
+    cos, sin = _rope_cos_sin(pos_ptr, tok, cos_ptr, sin_ptr, cache_stride, HALF)
     _rope_heads(q_ptr + tok * q_stride, num_q_heads, cos, sin, HALF, HEAD_DIM, BLOCK_H)
     _rope_heads(k_ptr + tok * k_stride, num_k_heads, cos, sin, HALF, HEAD_DIM, BLOCK_H)
 

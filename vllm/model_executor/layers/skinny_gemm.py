@@ -23,6 +23,9 @@ import torch
 import triton
 import triton.language as tl
 
+# Triton reads the flag when kernels are defined, so once at import is enough.
+_INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
+
 
 @triton.jit
 def _skinny_gemm_kernel(x_ptr, w_ptr, y_ptr, M, N, x_stride, w_stride, y_stride,
@@ -120,7 +123,7 @@ def skinny_gemm(x: torch.Tensor, weight: torch.Tensor, config: GemmConfig | None
     assert y.shape == (m, n) and y.stride(1) == 1
     grid = (triton.cdiv(m, cfg.block_m), triton.cdiv(n, cfg.block_n))
     _skinny_gemm_kernel[grid](x, weight, y, m, n, x.stride(0), weight.stride(0), y.stride(0),
-                              K=k, DOT_F32=os.environ.get("TRITON_INTERPRET") == "1",
+                              K=k, DOT_F32=_INTERPRETED,
                               BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
                               num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     return y
