@@ -87,13 +87,7 @@ def time_graph_us(calls: list[Callable[[], object]], replays: int = 10) -> float
 
 
 def bench_decode(
-    kind: str,
-    batch: int,
-    kv_len: int,
-    page: int,
-    cfg: DecodeConfig,
-    copy_gb_s: float,
-    spp: int | None = None,
+    kind: str, batch: int, kv_len: int, page: int, cfg: DecodeConfig, copy_gb_s: float
 ) -> Row:
     """Paged decode over ``batch`` sequences of ``kv_len`` tokens, pages scattered at random."""
     torch.cuda.empty_cache()  # hand the previous point's pool back before allocating this one
@@ -113,9 +107,7 @@ def bench_decode(
 
     def call(layer: int) -> Callable[[], object]:
         kc, vc = pool[:, layer, 0], pool[:, layer, 1]
-        return lambda: paged_decode_attention(
-            query, kc, vc, tables, seq_lens, scale, config=cfg, segs_per_program=spp
-        )
+        return lambda: paged_decode_attention(query, kc, vc, tables, seq_lens, scale, config=cfg)
 
     n_calls = max(layers, 16)
     us = time_graph_us([call(i % layers) for i in range(n_calls)])

@@ -26,7 +26,6 @@ from vllm.attention.ops.triton_decode import (
     alloc_decode_workspace,
     default_decode_config,
     paged_decode_attention,
-    segments_per_program,
 )
 from vllm.attention.ops.triton_kv_write import write_kv_cache
 from vllm.attention.ops.triton_prefill import (
@@ -141,9 +140,7 @@ def decode_inputs(
     return buffer, q, kc, vc, tables, seq_lens
 
 
-def run_decode(
-    q, kc, vc, tables, seq_lens, config: DecodeConfig | None, spp: int | None = None
-) -> torch.Tensor:
+def run_decode(q, kc, vc, tables, seq_lens, config: DecodeConfig | None) -> torch.Tensor:
     """The kernel with its output and workspace poisoned: every element must be written, and
     no partial result of an inactive segment may be read."""
     out = torch.full_like(q, float("nan"))
@@ -151,8 +148,7 @@ def run_decode(
     ws = alloc_decode_workspace(q.shape[0], q.shape[1], q.shape[2], q.device, config)
     ws.fill_(float("nan"))
     return paged_decode_attention(
-        q, kc, vc, tables, seq_lens, 0.3, out=out, workspace=ws, config=config,
-        segs_per_program=spp,
+        q, kc, vc, tables, seq_lens, 0.3, out=out, workspace=ws, config=config
     )
 
 
@@ -235,35 +231,6 @@ def test_decode_batch_invariant(config: DecodeConfig | None) -> None:
         config,
     )
     assert torch.equal(alone[0], batch[target])
-
-
-def test_decode_segments_folded_into_programs_same_bits() -> None:
-    """Folding several segments into one program (large batches) changes the launch only:
-    every fold gives the unfolded bits, for sequences with one, some and all segments active,
-    and matches the reference."""
-    lens = [0, 3, 17, 40, 127, 300, 512]  # MEDIUM: 8 segments of >= 32 tokens; 512 uses all
-    _, q, kc, vc, tables, seq_lens = decode_inputs(lens, 4, 2, 32, 4, torch.float32, 11)
-    unfolded = run_decode(q, kc, vc, tables, seq_lens, MEDIUM, spp=1)
-    expected = ref.paged_decode_attention(q, kc, vc, tables, seq_lens, 0.3)
-    torch.testing.assert_close(unfolded, expected, atol=2e-5, rtol=2e-5)
-    for spp in (2, 4, 8):
-        assert torch.equal(run_decode(q, kc, vc, tables, seq_lens, MEDIUM, spp=spp), unfolded)
-
-
-def test_segments_per_program_policy() -> None:
-    """Small batches keep one segment per program; large ones fold while the grid keeps at
-    least target_programs programs; never past num_segments."""
-    cfg = DEFAULT_DECODE_CONFIG
-    assert segments_per_program(1, 8, cfg) == 1
-    for batch in (1, 2, 8, 32, 64, 128, 4096):
-        spp = segments_per_program(batch, 8, cfg)
-        assert cfg.num_segments % spp == 0
-        assert (cfg.num_segments // spp) * 8 * batch >= min(
-            cfg.target_programs, cfg.num_segments * 8 * batch
-        )
-        if spp < cfg.num_segments:  # the next fold would drop below the target
-            assert (cfg.num_segments // (2 * spp)) * 8 * batch < cfg.target_programs
-    assert segments_per_program(10**6, 8, cfg) == cfg.num_segments
 
 
 def test_segment_split_fills_the_gpu() -> None:

@@ -6,10 +6,8 @@ sequence's pages and ``seq_lens``; cross-attention: the encoder pages and ``enco
 Why this shape (see DESIGN.md, "CUDA graphs: the contract"):
 
 * The launch depends only on static configuration and the batch size: the grid is
-  ``(num_segments / segs_per_program, num_kv_heads, batch)`` for the segment kernel and
-  ``(batch, num_heads)`` for the combine, so one captured graph serves every mix of lengths.
-  Large batches fold several segments into one program (``segments_per_program``): fewer idle
-  programs for short sequences, the same bits. Each segment computes its own
+  ``(num_segments, num_kv_heads, batch)`` for the segment kernel and ``(batch, num_heads)`` for
+  the combine, so one captured graph serves every mix of lengths. Each segment computes its own
   share of its sequence on the device (``_segment_chunk``), so a batch of one with a long KV
   still spreads over ``num_segments * num_kv_heads`` programs and fills the GPU.
 * A sequence's result depends only on its own length, its K/V and the static configuration:
@@ -40,9 +38,7 @@ class DecodeConfig:
 
     ``num_segments`` is the fixed split count per (sequence, KV head); ``min_chunk`` the
     smallest share of a segment (a multiple of ``block_n``), so short sequences use fewer
-    segments and write fewer partial results. ``target_programs`` sets how far a large batch
-    folds segments into programs (``segments_per_program``); it changes the launch, never
-    the result.
+    segments and write fewer partial results.
     """
 
     num_segments: int = 64
@@ -51,7 +47,6 @@ class DecodeConfig:
     num_warps: int = 4
     num_stages: int = 2
     combine_num_warps: int = 4
-    target_programs: int = 2048
 
     def __post_init__(self) -> None:
         if self.num_segments < 1 or self.num_segments & (self.num_segments - 1):
@@ -73,19 +68,6 @@ FP32_DECODE_CONFIG = DecodeConfig(num_warps=8)
 def default_decode_config(dtype: torch.dtype) -> DecodeConfig:
     """The split and launch used when none is given (a function of the cache dtype only)."""
     return FP32_DECODE_CONFIG if dtype == torch.float32 else DEFAULT_DECODE_CONFIG
-
-
-def segments_per_program(batch: int, num_kv_heads: int, config: DecodeConfig) -> int:
-    """Segments one program walks through: the most (a power of two) that still leaves
-    ``config.target_programs`` programs in the grid. 1 for small batches, which need every
-    segment in its own program to fill the GPU; a function of the launch shape only."""
-    spp = 1
-    while (
-        spp < config.num_segments
-        and (config.num_segments // (2 * spp)) * num_kv_heads * batch >= config.target_programs
-    ):
-        spp *= 2
-    return spp
 
 
 def dot_precision(dtype: torch.dtype) -> str:
@@ -122,19 +104,16 @@ def online_softmax_update(s, v, m_i, l_i, acc, DOT_PRECISION: tl.constexpr):
 
 
 @triton.jit
-def _decode_segment(
-    seg,
-    kvh,
-    b,
-    length,
-    q,
-    heads,
-    g_mask,
+def _decode_segment_kernel(
+    q_ptr,
     k_cache_ptr,
     v_cache_ptr,
     block_tables_ptr,
+    seq_lens_ptr,
     ws_ptr,
     scale_log2,
+    stride_qb,
+    stride_qh,
     stride_kp,
     stride_kh,
     stride_kt,
@@ -143,6 +122,7 @@ def _decode_segment(
     stride_vt,
     stride_bt,
     NUM_HEADS: tl.constexpr,
+    GROUP: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     PAGE_SIZE: tl.constexpr,
     WS_ROW: tl.constexpr,
@@ -153,14 +133,31 @@ def _decode_segment(
     MIN_CHUNK: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):
-    """One segment of one (sequence, KV head): its partial output and (max, sum) per head."""
+    """Grid (NUM_SEGMENTS, num_kv_heads, batch): one segment of one (sequence, KV head).
+
+    Writes the segment's unnormalised output and its (max, sum) for every query head of the
+    group into the workspace row ``[b, head, seg]``; inactive segments write nothing.
+    """
+    seg = tl.program_id(0)
+    kvh = tl.program_id(1)
+    b = tl.program_id(2)
+    length = tl.load(seq_lens_ptr + b)
     chunk = _segment_chunk(length, NUM_SEGMENTS, BLOCK_N, MIN_CHUNK)
     start = seg * chunk
     if start < length:
         end = tl.minimum(start + chunk, length)
+        offs_g = tl.arange(0, BLOCK_G)
         offs_n = tl.arange(0, BLOCK_N)
         offs_d = tl.arange(0, BLOCK_D)
+        g_mask = offs_g < GROUP
         d_mask = offs_d < HEAD_DIM
+        heads = kvh * GROUP + offs_g
+        q = tl.load(
+            q_ptr + b.to(tl.int64) * stride_qb + heads[:, None] * stride_qh + offs_d[None, :],
+            mask=g_mask[:, None] & d_mask[None, :],
+            other=0.0,
+        )
+        q = q.to(k_cache_ptr.dtype.element_ty)
         m_i = tl.full([BLOCK_G], float("-inf"), dtype=tl.float32)
         l_i = tl.zeros([BLOCK_G], dtype=tl.float32)
         acc = tl.zeros([BLOCK_G, BLOCK_D], dtype=tl.float32)
@@ -194,71 +191,6 @@ def _decode_segment(
         )
         tl.store(ws_ptr + rows + HEAD_DIM, m_i, mask=g_mask)
         tl.store(ws_ptr + rows + HEAD_DIM + 1, l_i, mask=g_mask)
-
-
-@triton.jit
-def _decode_segment_kernel(
-    q_ptr,
-    k_cache_ptr,
-    v_cache_ptr,
-    block_tables_ptr,
-    seq_lens_ptr,
-    ws_ptr,
-    scale_log2,
-    stride_qb,
-    stride_qh,
-    stride_kp,
-    stride_kh,
-    stride_kt,
-    stride_vp,
-    stride_vh,
-    stride_vt,
-    stride_bt,
-    NUM_HEADS: tl.constexpr,
-    GROUP: tl.constexpr,
-    HEAD_DIM: tl.constexpr,
-    PAGE_SIZE: tl.constexpr,
-    WS_ROW: tl.constexpr,
-    BLOCK_G: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    BLOCK_D: tl.constexpr,
-    NUM_SEGMENTS: tl.constexpr,
-    SEGS_PER_PROGRAM: tl.constexpr,
-    MIN_CHUNK: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,
-):
-    """Grid (NUM_SEGMENTS / SEGS_PER_PROGRAM, num_kv_heads, batch).
-
-    Program ``p`` handles segments ``p, p + G, p + 2G, ...`` (``G`` = the grid's first
-    dimension) of one (sequence, KV head), one after the other. Short sequences have their
-    few active segments in the first programs, one each, so a large batch launches fewer
-    idle programs without losing parallelism; a segment's result is the same whichever
-    program computes it. Inactive segments write nothing.
-    """
-    pid = tl.program_id(0)
-    kvh = tl.program_id(1)
-    b = tl.program_id(2)
-    length = tl.load(seq_lens_ptr + b)
-    chunk = _segment_chunk(length, NUM_SEGMENTS, BLOCK_N, MIN_CHUNK)
-    if pid * chunk < length:
-        offs_g = tl.arange(0, BLOCK_G)
-        offs_d = tl.arange(0, BLOCK_D)
-        g_mask = offs_g < GROUP
-        heads = kvh * GROUP + offs_g
-        q = tl.load(
-            q_ptr + b.to(tl.int64) * stride_qb + heads[:, None] * stride_qh + offs_d[None, :],
-            mask=g_mask[:, None] & (offs_d < HEAD_DIM)[None, :],
-            other=0.0,
-        )
-        q = q.to(k_cache_ptr.dtype.element_ty)
-        for j in range(SEGS_PER_PROGRAM):
-            _decode_segment(
-                pid + j * (NUM_SEGMENTS // SEGS_PER_PROGRAM), kvh, b, length, q, heads, g_mask,
-                k_cache_ptr, v_cache_ptr, block_tables_ptr, ws_ptr, scale_log2,
-                stride_kp, stride_kh, stride_kt, stride_vp, stride_vh, stride_vt, stride_bt,
-                NUM_HEADS, HEAD_DIM, PAGE_SIZE, WS_ROW, BLOCK_G, BLOCK_N, BLOCK_D,
-                NUM_SEGMENTS, MIN_CHUNK, DOT_PRECISION,
-            )
 
 
 @triton.jit
@@ -344,7 +276,6 @@ def paged_decode_attention(
     out: torch.Tensor | None = None,  # [B, num_heads, head_dim], written entirely
     workspace: torch.Tensor | None = None,  # from alloc_decode_workspace
     config: DecodeConfig | None = None,  # None: default_decode_config(key_cache.dtype)
-    segs_per_program: int | None = None,  # None: segments_per_program(); same result
 ) -> torch.Tensor:
     """Decode attention of one query token per sequence over its paged K/V (fp32 accumulate).
 
@@ -373,9 +304,7 @@ def paged_decode_attention(
     group = num_heads // num_kv_heads
     block_d = max(16, triton.next_power_of_2(head_dim))
     block_g = max(16, triton.next_power_of_2(group))
-    spp = segs_per_program or segments_per_program(b, num_kv_heads, config)
-    assert config.num_segments % spp == 0, "segs_per_program must divide num_segments"
-    _decode_segment_kernel[(config.num_segments // spp, num_kv_heads, b)](
+    _decode_segment_kernel[(config.num_segments, num_kv_heads, b)](
         query,
         key_cache,
         value_cache,
@@ -401,7 +330,6 @@ def paged_decode_attention(
         BLOCK_N=config.block_n,
         BLOCK_D=block_d,
         NUM_SEGMENTS=config.num_segments,
-        SEGS_PER_PROGRAM=spp,
         MIN_CHUNK=config.min_chunk,
         DOT_PRECISION=dot_precision(key_cache.dtype),
         num_warps=config.num_warps,
