@@ -6,8 +6,10 @@ that minimises the attention time of a batch-64 mixed step (32 self layers at 64
 layers at 32 x 6,404) without making the batch-1 image step's attention (32 self layers at 512,
 8 cross layers) more than ``--bs1-slack-us`` slower than the current default or any single point
 more than 10% slower. The number of segments stays at the default (the workspace shape).
+``--combine`` searches the combine kernel's knobs (heads per program, warps, stages) instead of
+the segment kernel's.
 
-    python benchmarks/kernels/tune_decode.py [--json PATH] [--bs1-slack-us 60]
+    python benchmarks/kernels/tune_decode.py [--combine] [--json PATH] [--bs1-slack-us 60]
 """
 
 from __future__ import annotations
@@ -33,9 +35,16 @@ POINTS = {  # name: (kind, batch, kv_len, page)
 }
 
 
-def candidates() -> list[DecodeConfig]:
+def candidates(combine: bool = False) -> list[DecodeConfig]:
     base = DEFAULT_DECODE_CONFIG
     out = [base]
+    if combine:
+        for h, w, st in itertools.product((1, 4, 8, 32), (1, 2, 4), (1, 2)):
+            cfg = dataclasses.replace(base, combine_heads=h, combine_num_warps=w,
+                                      combine_num_stages=st)
+            if cfg != base:
+                out.append(cfg)
+        return out
     # Shared memory bounds how many programs an SM holds (stages x block_n x head_dim x 2 tiles),
     # which is what limits short contexts at large batch: small tiles and few stages included.
     for bn, mc, w, st in itertools.product((32, 64), (128, 256), (2, 4), (1, 2, 3)):
@@ -56,11 +65,12 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--json", default=None)
     ap.add_argument("--bs1-slack-us", type=float, default=60.0)
+    ap.add_argument("--combine", action="store_true", help="search the combine kernel's knobs")
     args = ap.parse_args()
     torch.manual_seed(0)
     copy_gb_s = copy_bandwidth_gb_s()
     results = []
-    for cfg in candidates():
+    for cfg in candidates(args.combine):
         try:
             t = {name: bench_decode(*p[:3], p[3], cfg, copy_gb_s).time_us
                  for name, p in POINTS.items()}
@@ -71,6 +81,7 @@ def main() -> None:
         results.append({"config": dataclasses.asdict(cfg), "us": t, "mixed64_us": mixed,
                         "bs1_image_us": bs1})
         print(f"bn={cfg.block_n:3d} mc={cfg.min_chunk:3d} w={cfg.num_warps} st={cfg.num_stages}"
+              f" ch={cfg.combine_heads} cw={cfg.combine_num_warps} cs={cfg.combine_num_stages}"
               f"  mixed64 {mixed:7.0f} us  bs1 {bs1:6.0f} us  "
               + " ".join(f"{k}={v:.1f}" for k, v in t.items()), flush=True)
     base = results[0]

@@ -167,6 +167,9 @@ def _lens(page_size: int, gen: torch.Generator, count: int = 3, high: int = 71) 
         (8, 1, 64, 16, SMALL),
         (4, 2, 16, 4, None),  # the per-dtype default
         (8, 2, 128, 16, SMALL),
+        (6, 3, 32, 4, SMALL),  # the combine's last head block is part padding
+        (8, 2, 32, 4, DecodeConfig(num_segments=4, block_n=16, min_chunk=16, combine_heads=16,
+                                   combine_num_warps=4)),
     ],
 )
 def test_decode_matches_reference(

@@ -6,8 +6,9 @@ sequence's pages and ``seq_lens``; cross-attention: the encoder pages and ``enco
 Why this shape (see DESIGN.md, "CUDA graphs: the contract"):
 
 * The launch depends only on static configuration and the batch size: the grid is
-  ``(num_segments, num_kv_heads, batch)`` for the segment kernel and ``(batch, num_heads)`` for
-  the combine, so one captured graph serves every mix of lengths. Each segment computes its own
+  ``(num_segments, num_kv_heads, batch)`` for the segment kernel and
+  ``(batch, num_heads / combine_heads)`` for the combine, so one captured graph serves every
+  mix of lengths. Each segment computes its own
   share of its sequence on the device (``_segment_chunk``), so a batch of one with a long KV
   still spreads over ``num_segments * num_kv_heads`` programs and fills the GPU.
 * A sequence's result depends only on its own length, its K/V and the static configuration:
@@ -46,13 +47,17 @@ class DecodeConfig:
     min_chunk: int = 128
     num_warps: int = 4
     num_stages: int = 2
-    combine_num_warps: int = 4
+    combine_heads: int = 4
+    combine_num_warps: int = 1
+    combine_num_stages: int = 2
 
     def __post_init__(self) -> None:
         if self.num_segments < 1 or self.num_segments & (self.num_segments - 1):
             raise ValueError(f"num_segments must be a power of two, got {self.num_segments}")
         if self.block_n < 16 or self.block_n & (self.block_n - 1):
             raise ValueError(f"block_n must be a power of two >= 16, got {self.block_n}")
+        if self.combine_heads < 1 or self.combine_heads & (self.combine_heads - 1):
+            raise ValueError(f"combine_heads must be a power of two, got {self.combine_heads}")
         if self.min_chunk < self.block_n or self.min_chunk % self.block_n:
             raise ValueError(
                 f"min_chunk ({self.min_chunk}) must be a positive multiple of "
@@ -203,42 +208,52 @@ def _decode_combine_kernel(
     NUM_HEADS: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     WS_ROW: tl.constexpr,
+    BLOCK_H: tl.constexpr,
     BLOCK_D: tl.constexpr,
     BLOCK_N: tl.constexpr,
     NUM_SEGMENTS: tl.constexpr,
     MIN_CHUNK: tl.constexpr,
 ):
-    """Grid (batch, num_heads): merges the active segments of one (sequence, head).
+    """Grid (batch, cdiv(num_heads, BLOCK_H)): merges the active segments of one sequence for
+    ``BLOCK_H`` heads.
 
     The number of active segments is recomputed from the length, so segments that wrote
-    nothing are never read. The reduction over segments is one fixed-shape ``tl.sum``.
+    nothing are never read. The segments are folded in in index order with a running
+    maximum (a loop as long as the active count, no reduction across threads): the order
+    depends on the length alone.
     """
     b = tl.program_id(0)
-    h = tl.program_id(1)
+    heads = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     length = tl.load(seq_lens_ptr + b)
     chunk = _segment_chunk(length, NUM_SEGMENTS, BLOCK_N, MIN_CHUNK)
     num_active = tl.cdiv(length, chunk)
-    offs_s = tl.arange(0, NUM_SEGMENTS)
     offs_d = tl.arange(0, BLOCK_D)
-    s_mask = offs_s < num_active
-    d_mask = offs_d < HEAD_DIM
-    rows = ((b.to(tl.int64) * NUM_HEADS + h) * NUM_SEGMENTS + offs_s) * WS_ROW
-    m = tl.load(ws_ptr + rows + HEAD_DIM, mask=s_mask, other=float("-inf"))
-    seg_l = tl.load(ws_ptr + rows + HEAD_DIM + 1, mask=s_mask, other=0.0)
-    m_max = tl.max(m, 0)
-    m_use = tl.where(num_active > 0, m_max, 0.0)
-    w = tl.where(s_mask, tl.exp2(m - m_use), 0.0)
-    denom = tl.sum(w * seg_l, 0)
-    acc = tl.load(
-        ws_ptr + rows[:, None] + offs_d[None, :], mask=s_mask[:, None] & d_mask[None, :], other=0.0
-    )
-    num = tl.sum(acc * w[:, None], 0)
-    # A zero-length KV has denom 0: exact zeros, never 0/0.
-    out = tl.where(denom > 0.0, num / tl.where(denom > 0.0, denom, 1.0), 0.0)
+    h_mask = heads < NUM_HEADS
+    mask = h_mask[:, None] & (offs_d < HEAD_DIM)[None, :]
+    rows = (b.to(tl.int64) * NUM_HEADS + heads) * (NUM_SEGMENTS * WS_ROW)
+    m_run = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)
+    l_run = tl.zeros([BLOCK_H], dtype=tl.float32)
+    num = tl.zeros([BLOCK_H, BLOCK_D], dtype=tl.float32)
+    for seg in range(0, num_active):
+        row = rows + seg * WS_ROW
+        m = tl.load(ws_ptr + row + HEAD_DIM, mask=h_mask, other=float("-inf"))
+        seg_l = tl.load(ws_ptr + row + HEAD_DIM + 1, mask=h_mask, other=0.0)
+        acc = tl.load(ws_ptr + row[:, None] + offs_d[None, :], mask=mask, other=0.0)
+        m_new = tl.maximum(m_run, m)
+        # An active segment has a finite max; masked (padding) heads keep -inf and weight 0.
+        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp2(m_run - m_use)
+        w = tl.exp2(m - m_use)
+        l_run = l_run * alpha + seg_l * w
+        num = num * alpha[:, None] + acc * w[:, None]
+        m_run = m_new
+    # A zero-length KV has l_run 0: exact zeros, never 0/0.
+    denom = tl.where(l_run > 0.0, l_run, 1.0)
+    out = tl.where((l_run > 0.0)[:, None], num / denom[:, None], 0.0)
     tl.store(
-        out_ptr + b.to(tl.int64) * stride_ob + h * stride_oh + offs_d,
+        out_ptr + b.to(tl.int64) * stride_ob + heads[:, None] * stride_oh + offs_d[None, :],
         out.to(out_ptr.dtype.element_ty),
-        mask=d_mask,
+        mask=mask,
     )
 
 
@@ -335,7 +350,8 @@ def paged_decode_attention(
         num_warps=config.num_warps,
         num_stages=config.num_stages,
     )
-    _decode_combine_kernel[(b, num_heads)](
+    block_h = min(config.combine_heads, triton.next_power_of_2(num_heads))
+    _decode_combine_kernel[(b, triton.cdiv(num_heads, block_h))](
         workspace,
         seq_lens,
         out,
@@ -344,11 +360,13 @@ def paged_decode_attention(
         NUM_HEADS=num_heads,
         HEAD_DIM=head_dim,
         WS_ROW=workspace_row(head_dim),
+        BLOCK_H=block_h,
         BLOCK_D=block_d,
         BLOCK_N=config.block_n,
         NUM_SEGMENTS=config.num_segments,
         MIN_CHUNK=config.min_chunk,
         num_warps=config.combine_num_warps,
+        num_stages=config.combine_num_stages,
     )
     return out
 
