@@ -6,7 +6,7 @@ that minimises the attention time of a batch-64 mixed step (32 self layers at 64
 layers at 32 x 6,404) without making the batch-1 image step's attention (32 self layers at 512,
 8 cross layers) more than ``--bs1-slack-us`` slower than the current default or any single point
 more than 10% slower. The number of segments stays at the default (the workspace shape).
-``--combine`` searches the combine kernel's knobs (heads per program, warps, stages) instead of
+``--combine`` searches the combine kernel's knobs (segments per block, warps, stages) instead of
 the segment kernel's.
 
     python benchmarks/kernels/tune_decode.py [--combine] [--json PATH] [--bs1-slack-us 60]
@@ -39,8 +39,8 @@ def candidates(combine: bool = False) -> list[DecodeConfig]:
     base = DEFAULT_DECODE_CONFIG
     out = [base]
     if combine:
-        for h, w, st in itertools.product((1, 4, 8, 32), (1, 2, 4), (1, 2)):
-            cfg = dataclasses.replace(base, combine_heads=h, combine_num_warps=w,
+        for sb, w, st in itertools.product((4, 8, 16, 32, 64), (1, 2, 4), (2,)):
+            cfg = dataclasses.replace(base, combine_segments=sb, combine_num_warps=w,
                                       combine_num_stages=st)
             if cfg != base:
                 out.append(cfg)
@@ -81,7 +81,7 @@ def main() -> None:
         results.append({"config": dataclasses.asdict(cfg), "us": t, "mixed64_us": mixed,
                         "bs1_image_us": bs1})
         print(f"bn={cfg.block_n:3d} mc={cfg.min_chunk:3d} w={cfg.num_warps} st={cfg.num_stages}"
-              f" ch={cfg.combine_heads} cw={cfg.combine_num_warps} cs={cfg.combine_num_stages}"
+              f" cb={cfg.combine_segments} cw={cfg.combine_num_warps} cs={cfg.combine_num_stages}"
               f"  mixed64 {mixed:7.0f} us  bs1 {bs1:6.0f} us  "
               + " ".join(f"{k}={v:.1f}" for k, v in t.items()), flush=True)
     base = results[0]

@@ -167,9 +167,10 @@ def _lens(page_size: int, gen: torch.Generator, count: int = 3, high: int = 71) 
         (8, 1, 64, 16, SMALL),
         (4, 2, 16, 4, None),  # the per-dtype default
         (8, 2, 128, 16, SMALL),
-        (6, 3, 32, 4, SMALL),  # the combine's last head block is part padding
-        (8, 2, 32, 4, DecodeConfig(num_segments=4, block_n=16, min_chunk=16, combine_heads=16,
-                                   combine_num_warps=4)),
+        (6, 3, 32, 4, SMALL),  # a group of 3 heads (padded for tl.dot)
+        # the combine takes the segments two at a time: several blocks, the last part empty
+        (8, 2, 32, 4, DecodeConfig(num_segments=8, block_n=16, min_chunk=16, combine_segments=2,
+                                   combine_num_warps=2)),
     ],
 )
 def test_decode_matches_reference(

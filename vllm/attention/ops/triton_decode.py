@@ -6,9 +6,8 @@ sequence's pages and ``seq_lens``; cross-attention: the encoder pages and ``enco
 Why this shape (see DESIGN.md, "CUDA graphs: the contract"):
 
 * The launch depends only on static configuration and the batch size: the grid is
-  ``(num_segments, num_kv_heads, batch)`` for the segment kernel and
-  ``(batch, num_heads / combine_heads)`` for the combine, so one captured graph serves every
-  mix of lengths. Each segment computes its own
+  ``(num_segments, num_kv_heads, batch)`` for the segment kernel and ``(batch, num_heads)`` for
+  the combine, so one captured graph serves every mix of lengths. Each segment computes its own
   share of its sequence on the device (``_segment_chunk``), so a batch of one with a long KV
   still spreads over ``num_segments * num_kv_heads`` programs and fills the GPU.
 * A sequence's result depends only on its own length, its K/V and the static configuration:
@@ -47,7 +46,7 @@ class DecodeConfig:
     min_chunk: int = 128
     num_warps: int = 4
     num_stages: int = 2
-    combine_heads: int = 4
+    combine_segments: int = 16
     combine_num_warps: int = 1
     combine_num_stages: int = 2
 
@@ -56,8 +55,10 @@ class DecodeConfig:
             raise ValueError(f"num_segments must be a power of two, got {self.num_segments}")
         if self.block_n < 16 or self.block_n & (self.block_n - 1):
             raise ValueError(f"block_n must be a power of two >= 16, got {self.block_n}")
-        if self.combine_heads < 1 or self.combine_heads & (self.combine_heads - 1):
-            raise ValueError(f"combine_heads must be a power of two, got {self.combine_heads}")
+        if self.combine_segments < 1 or self.combine_segments & (self.combine_segments - 1):
+            raise ValueError(
+                f"combine_segments must be a power of two, got {self.combine_segments}"
+            )
         if self.min_chunk < self.block_n or self.min_chunk % self.block_n:
             raise ValueError(
                 f"min_chunk ({self.min_chunk}) must be a positive multiple of "
@@ -208,52 +209,55 @@ def _decode_combine_kernel(
     NUM_HEADS: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     WS_ROW: tl.constexpr,
-    BLOCK_H: tl.constexpr,
+    BLOCK_S: tl.constexpr,
     BLOCK_D: tl.constexpr,
     BLOCK_N: tl.constexpr,
     NUM_SEGMENTS: tl.constexpr,
     MIN_CHUNK: tl.constexpr,
 ):
-    """Grid (batch, cdiv(num_heads, BLOCK_H)): merges the active segments of one sequence for
-    ``BLOCK_H`` heads.
+    """Grid (batch, num_heads): merges the active segments of one (sequence, head).
 
     The number of active segments is recomputed from the length, so segments that wrote
-    nothing are never read. The segments are folded in in index order with a running
-    maximum (a loop as long as the active count, no reduction across threads): the order
-    depends on the length alone.
+    nothing are never read. The segments are taken ``BLOCK_S`` at a time, in index order: a
+    block is reduced at once and folded into a running maximum, so a short KV costs one
+    small step and a long one a few. The order depends on the length alone.
     """
     b = tl.program_id(0)
-    heads = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    h = tl.program_id(1)
     length = tl.load(seq_lens_ptr + b)
     chunk = _segment_chunk(length, NUM_SEGMENTS, BLOCK_N, MIN_CHUNK)
     num_active = tl.cdiv(length, chunk)
+    offs_s = tl.arange(0, BLOCK_S)
     offs_d = tl.arange(0, BLOCK_D)
-    h_mask = heads < NUM_HEADS
-    mask = h_mask[:, None] & (offs_d < HEAD_DIM)[None, :]
-    rows = (b.to(tl.int64) * NUM_HEADS + heads) * (NUM_SEGMENTS * WS_ROW)
-    m_run = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)
-    l_run = tl.zeros([BLOCK_H], dtype=tl.float32)
-    num = tl.zeros([BLOCK_H, BLOCK_D], dtype=tl.float32)
-    for seg in range(0, num_active):
-        row = rows + seg * WS_ROW
-        m = tl.load(ws_ptr + row + HEAD_DIM, mask=h_mask, other=float("-inf"))
-        seg_l = tl.load(ws_ptr + row + HEAD_DIM + 1, mask=h_mask, other=0.0)
-        acc = tl.load(ws_ptr + row[:, None] + offs_d[None, :], mask=mask, other=0.0)
-        m_new = tl.maximum(m_run, m)
-        # An active segment has a finite max; masked (padding) heads keep -inf and weight 0.
-        m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
-        alpha = tl.exp2(m_run - m_use)
-        w = tl.exp2(m - m_use)
-        l_run = l_run * alpha + seg_l * w
-        num = num * alpha[:, None] + acc * w[:, None]
+    d_mask = offs_d < HEAD_DIM
+    first = (b.to(tl.int64) * NUM_HEADS + h) * (NUM_SEGMENTS * WS_ROW)
+    # 0-d running state (reductions of constant vectors give the loop a fixed scalar type).
+    m_run = tl.max(tl.full([BLOCK_S], float("-inf"), dtype=tl.float32), 0)
+    l_run = tl.sum(tl.zeros([BLOCK_S], dtype=tl.float32), 0)
+    num = tl.zeros([BLOCK_D], dtype=tl.float32)
+    for s0 in range(0, num_active, BLOCK_S):
+        s_mask = s0 + offs_s < num_active
+        rows = first + (s0 + offs_s) * WS_ROW
+        m = tl.load(ws_ptr + rows + HEAD_DIM, mask=s_mask, other=float("-inf"))
+        seg_l = tl.load(ws_ptr + rows + HEAD_DIM + 1, mask=s_mask, other=0.0)
+        acc = tl.load(
+            ws_ptr + rows[:, None] + offs_d[None, :],
+            mask=s_mask[:, None] & d_mask[None, :],
+            other=0.0,
+        )
+        # The block holds at least one active segment, whose maximum is finite.
+        m_new = tl.maximum(m_run, tl.max(m, 0))
+        alpha = tl.exp2(m_run - m_new)  # 0 on the first block (m_run = -inf)
+        w = tl.where(s_mask, tl.exp2(m - m_new), 0.0)
+        l_run = l_run * alpha + tl.sum(w * seg_l, 0)
+        num = num * alpha + tl.sum(acc * w[:, None], 0)
         m_run = m_new
     # A zero-length KV has l_run 0: exact zeros, never 0/0.
-    denom = tl.where(l_run > 0.0, l_run, 1.0)
-    out = tl.where((l_run > 0.0)[:, None], num / denom[:, None], 0.0)
+    out = tl.where(l_run > 0.0, num / tl.where(l_run > 0.0, l_run, 1.0), 0.0)
     tl.store(
-        out_ptr + b.to(tl.int64) * stride_ob + heads[:, None] * stride_oh + offs_d[None, :],
+        out_ptr + b.to(tl.int64) * stride_ob + h * stride_oh + offs_d,
         out.to(out_ptr.dtype.element_ty),
-        mask=mask,
+        mask=d_mask,
     )
 
 
@@ -350,8 +354,7 @@ def paged_decode_attention(
         num_warps=config.num_warps,
         num_stages=config.num_stages,
     )
-    block_h = min(config.combine_heads, triton.next_power_of_2(num_heads))
-    _decode_combine_kernel[(b, triton.cdiv(num_heads, block_h))](
+    _decode_combine_kernel[(b, num_heads)](
         workspace,
         seq_lens,
         out,
@@ -360,7 +363,7 @@ def paged_decode_attention(
         NUM_HEADS=num_heads,
         HEAD_DIM=head_dim,
         WS_ROW=workspace_row(head_dim),
-        BLOCK_H=block_h,
+        BLOCK_S=min(config.combine_segments, config.num_segments),
         BLOCK_D=block_d,
         BLOCK_N=config.block_n,
         NUM_SEGMENTS=config.num_segments,
