@@ -46,7 +46,7 @@ class DecodeConfig:
     min_chunk: int = 128
     num_warps: int = 4
     num_stages: int = 2
-    combine_segments: int = 16
+    combine_segments: int = 32
     combine_num_warps: int = 1
     combine_num_stages: int = 2
 
