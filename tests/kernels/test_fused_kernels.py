@@ -13,7 +13,6 @@ import torch.nn.functional as F
 from vllm.model_executor.layers.fused_kernels import (
     add_layer_norm,
     gate_rows,
-    gelu_,
     rms_norm,
     rotary_inplace,
     silu_and_mul,
@@ -131,18 +130,3 @@ def test_add_layer_norm(dtype, shape, mode: str) -> None:
     else:
         assert torch.equal(s, expected_sum)  # rounded as the torch ops round
     assert torch.allclose(out.float(), expected.float(), atol=_tol(dtype), rtol=_tol(dtype))
-
-
-@pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("numel", [1, 1000, 3 * 4096 + 17])
-def test_gelu_inplace(dtype, numel: int) -> None:
-    """Exact GELU in place against F.gelu (erf form); tails past a block are masked."""
-    g = torch.Generator().manual_seed(numel)
-    x = (3 * torch.randn(numel, generator=g)).to(DEVICE, dtype)
-    expected = F.gelu(x.float()).to(dtype) if DEVICE == "cpu" else F.gelu(x)
-    out = gelu_(x.clone())
-    if DEVICE == "cpu":  # the interpreter's erf and bf16 rounding: within 1 ulp
-        assert torch.allclose(out.float(), expected.float(), atol=_tol(dtype), rtol=_tol(dtype))
-    else:
-        torch.testing.assert_close(out, expected, atol=1e-6 if dtype == torch.float32 else 0,
-                                   rtol=1e-6 if dtype == torch.float32 else 8e-3)

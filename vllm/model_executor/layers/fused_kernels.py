@@ -105,26 +105,6 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
 
 
 @triton.jit
-def _gelu_kernel(x_ptr, out_ptr, n, BLOCK: tl.constexpr):
-    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-    mask = offs < n
-    x = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-    # The reference's float math and order: x * 0.5 * (1 + erf(x / sqrt(2))).
-    y = x * 0.5 * (1.0 + tl.math.erf(x * 0.7071067811865476))
-    tl.store(out_ptr + offs, y.to(out_ptr.dtype.element_ty), mask=mask)
-
-
-def gelu_(x: torch.Tensor) -> torch.Tensor:
-    """Exact (erf) GELU in place on a contiguous tensor: one read and one write per element
-    (the vision MLP's [tokens, 5120] activation), no new buffer."""
-    assert x.is_contiguous()
-    n = x.numel()
-    block = 4096
-    _gelu_kernel[(triton.cdiv(n, block),)](x, x, n, BLOCK=block, num_warps=8)
-    return x
-
-
-@triton.jit
 def _rope_heads(ptr, num_heads, cos, sin, HALF: tl.constexpr, HEAD_DIM: tl.constexpr,
                 BLOCK_H: tl.constexpr):
     """Rotates one token's ``num_heads`` contiguous heads at ``ptr`` in place and returns the

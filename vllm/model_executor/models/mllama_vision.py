@@ -69,12 +69,7 @@ class VisionMLP(nn.Module):
         self.fc2 = Linear(spec.intermediate_size, spec.hidden_size, bias=True)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = self.fc1(x)
-        if h.is_cuda and h.is_contiguous():
-            from vllm.model_executor.layers.fused_kernels import gelu_
-
-            return self.fc2(gelu_(h))
-        return self.fc2(F.gelu(h))
+        return self.fc2(F.gelu(self.fc1(x)))
 
 
 class VisionEncoderLayer(nn.Module):
