@@ -18,17 +18,16 @@ import os
 import sys
 
 import torch
-from benchmark_attention import time_graph_us
+from benchmark_attention import HEAD_DIM as D
+from benchmark_attention import HKV, HQ, SELF_PAGE, time_graph_us
 
 from vllm.attention.ops import triton_decode as td
 
-HQ, HKV, D, PAGE = 32, 8, 128, 16
-
 
 def inputs(batch: int, kv_len: int) -> tuple[torch.Tensor, ...]:
-    pages = math.ceil(kv_len / PAGE)
+    pages = math.ceil(kv_len / SELF_PAGE)
     n = batch * pages + 1
-    pool = torch.randn(n, 2, HKV, PAGE, D, dtype=torch.bfloat16, device="cuda")
+    pool = torch.randn(n, 2, HKV, SELF_PAGE, D, dtype=torch.bfloat16, device="cuda")
     perm = torch.randperm(n - 1, device="cuda")[: batch * pages] + 1
     return (torch.randn(batch, HQ, D, dtype=torch.bfloat16, device="cuda"), pool[:, 0],
             pool[:, 1], perm.view(batch, pages).to(torch.int32),

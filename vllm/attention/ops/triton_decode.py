@@ -51,14 +51,11 @@ class DecodeConfig:
     combine_num_stages: int = 2
 
     def __post_init__(self) -> None:
-        if self.num_segments < 1 or self.num_segments & (self.num_segments - 1):
-            raise ValueError(f"num_segments must be a power of two, got {self.num_segments}")
-        if self.block_n < 16 or self.block_n & (self.block_n - 1):
-            raise ValueError(f"block_n must be a power of two >= 16, got {self.block_n}")
-        if self.combine_segments < 1 or self.combine_segments & (self.combine_segments - 1):
-            raise ValueError(
-                f"combine_segments must be a power of two, got {self.combine_segments}"
-            )
+        for name, low in (("num_segments", 1), ("block_n", 16), ("combine_segments", 1)):
+            value = getattr(self, name)
+            if value < low or value & (value - 1):
+                at_least = f" >= {low}" if low > 1 else ""
+                raise ValueError(f"{name} must be a power of two{at_least}, got {value}")
         if self.min_chunk < self.block_n or self.min_chunk % self.block_n:
             raise ValueError(
                 f"min_chunk ({self.min_chunk}) must be a positive multiple of "
