@@ -1,0 +1,237 @@
+"""Where the GPU waits: launch gaps of a one-image prefill and host time per decode step (CUDA).
+
+    python benchmarks/trace_gaps.py --out /tmp/gaps
+
+1. Traces the time to first token of one 4-tile image + 128 tokens (torch.profiler, Python
+   stacks on), writes ``ttft_trace.json`` and lists the GPU idle gaps inside it: when each gap
+   starts, how long it is, the kernel that ends it, how long after its launch call that kernel
+   ran, and the innermost ``vllm/`` Python frame that launched it. A kernel that starts right
+   after its launch call ends a host-bound gap.
+2. Runs the same request with ``torch.cuda.set_sync_debug_mode("warn")`` and lists the
+   synchronising calls it makes, by source line.
+3. Times ``ModelRunner.launch`` for every bs=1 decode step (text-only, then one image) and
+   prints median / p90 / p99 / max / mean, the garbage collector's share of that time, and
+   the same after ``gc.freeze()``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import bisect
+import gc
+import json
+import time
+import warnings
+from collections import Counter
+from pathlib import Path
+
+import numpy as np
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+from vllm import LLM, SamplingParams
+
+GPU_CATS = ("kernel", "gpu_memcpy", "gpu_memset")
+
+
+def _inner(events: list[dict], starts: list[float], ts: float) -> dict | None:
+    """The latest-starting event of ``events`` (sorted by start) that contains ``ts``: the
+    innermost one where events nest."""
+    i = bisect.bisect_right(starts, ts) - 1
+    for e in events[max(i - 5000, 0):i + 1][::-1]:
+        if e["ts"] + e.get("dur", 0) >= ts:
+            return e
+    return None
+
+
+def gpu_gaps(trace_path: Path, min_gap_us: float = 5.0, top: int = 20) -> dict:
+    """Idle gaps of the GPU in a chrome trace, each attributed to the launch that ends it."""
+    ev = json.loads(trace_path.read_text())["traceEvents"]
+    gpu = sorted((e for e in ev if e.get("ph") == "X" and e.get("cat") in GPU_CATS),
+                 key=lambda e: e["ts"])
+    launches = {e["args"]["correlation"]: e for e in ev
+                if e.get("cat") in ("cuda_runtime", "cuda_driver")
+                and "correlation" in e.get("args", {})}
+    py = sorted((e for e in ev if e.get("cat") == "python_function"
+                 and "vllm/" in e.get("name", "")), key=lambda e: e["ts"])
+    ops = sorted((e for e in ev if e.get("cat") == "cpu_op"), key=lambda e: e["ts"])
+    py_starts, op_starts = [e["ts"] for e in py], [e["ts"] for e in ops]
+    cpu_ts = [e["ts"] for e in ev if e.get("ph") == "X"
+              and e.get("cat") in ("cpu_op", "cuda_runtime", "cuda_driver")]
+    window = (min(cpu_ts), max(e["ts"] + e.get("dur", 0) for e in gpu)) if gpu else (0, 0)
+    busy_end, busy, gaps = gpu[0]["ts"] if gpu else 0.0, 0.0, []
+    lead = (gpu[0]["ts"] - window[0]) if gpu else 0.0
+    for k in gpu:
+        end = k["ts"] + k.get("dur", 0)
+        if k["ts"] > busy_end:
+            gap = k["ts"] - busy_end
+            if gap >= min_gap_us:
+                launch = launches.get(k.get("args", {}).get("correlation"))
+                row = {"at_ms": (busy_end - window[0]) / 1e3, "gap_us": gap,
+                       "kernel": k["name"][:70]}
+                if launch is not None:
+                    row["launch_to_start_us"] = k["ts"] - launch["ts"]
+                    row["launch_call"] = launch["name"]
+                    op = _inner(ops, op_starts, launch["ts"])
+                    frame = _inner(py, py_starts, launch["ts"])
+                    row["op"] = op["name"] if op else None
+                    row["frame"] = frame["name"] if frame else None
+                gaps.append(row)
+            busy += end - k["ts"]
+        else:
+            busy += max(0.0, end - busy_end)
+        busy_end = max(busy_end, end)
+    total = sum(g["gap_us"] for g in gaps)
+    return {"window_ms": (window[1] - window[0]) / 1e3, "gpu_busy_ms": busy / 1e3,
+            "lead_ms": lead / 1e3, "gaps": len(gaps), "gap_ms": total / 1e3,
+            "top": sorted(gaps, key=lambda g: -g["gap_us"])[:top]}
+
+
+def host_times(engine, steps: int) -> np.ndarray:
+    """Seconds of ``ModelRunner.launch`` for each of ``steps`` decode steps."""
+    runner = engine.runner
+    real, times = runner.launch, []
+
+    def timed(out):
+        t0 = time.perf_counter()
+        handle = real(out)
+        times.append(time.perf_counter() - t0)
+        return handle
+
+    runner.launch = timed
+    try:
+        for _ in range(steps):
+            engine.step()
+    finally:
+        runner.launch = real
+    torch.cuda.synchronize()
+    return np.asarray(times)
+
+
+def gc_time(fn):
+    """(result of fn(), seconds spent in garbage collection during it, collections)."""
+    spent, started = [0.0, 0], [0.0]
+
+    def cb(phase, info):
+        if phase == "start":
+            started[0] = time.perf_counter()
+        else:
+            spent[0] += time.perf_counter() - started[0]
+            spent[1] += 1
+
+    gc.callbacks.append(cb)
+    try:
+        return fn(), spent[0], spent[1]
+    finally:
+        gc.callbacks.remove(cb)
+
+
+def runtime_calls(prof, steps: int) -> list[tuple[str, float, float]]:
+    """(CUDA runtime/driver call or operator, calls per step, us per step), by time."""
+    rows = [(e.key, e.count / steps, e.cpu_time_total / steps) for e in prof.key_averages()
+            if e.key.startswith(("cuda", "cu", "aten::")) and e.cpu_time_total > 0]
+    return sorted(rows, key=lambda r: -r[2])[:15]
+
+
+def describe(t: np.ndarray) -> dict:
+    ms = t * 1e3
+    return {"median": float(np.median(ms)), "p90": float(np.percentile(ms, 90)),
+            "p99": float(np.percentile(ms, 99)), "max": float(ms.max()),
+            "mean": float(ms.mean()), "steps": int(len(ms))}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", default="/tmp/gaps")
+    ap.add_argument("--steps", type=int, default=300)
+    args = ap.parse_args()
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    import run_report as rr
+
+    llm = LLM(model="demo/mllama-11b", load_format="dummy", dtype="bfloat16",
+              max_model_len=4096, max_num_seqs=8, gpu_memory_utilization=0.5)
+    engine = llm.llm_engine
+    one = SamplingParams(temperature=0, max_tokens=1)
+    processed = engine.process_inputs(rr.make_prompt(llm, True, 128, 99))
+
+    def ttft(tag: str) -> float:
+        engine.add_request(tag, None, one, processed=processed)
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        while engine.has_unfinished_requests():
+            engine.step()
+        return (time.perf_counter() - t0) * 1e3
+
+    plain = [ttft(f"w{i}") for i in range(4)][1:]
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA],
+                 with_stack=True) as prof:
+        traced = ttft("traced")
+        torch.cuda.synchronize()
+    prof.export_chrome_trace(str(out / "ttft_trace.json"))
+    report = {"ttft_ms": plain, "ttft_traced_ms": traced,
+              "ttft_gaps": gpu_gaps(out / "ttft_trace.json")}
+    # Python stacks slow the host several-fold; the same without them, totals only.
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        report["ttft_traced_nostack_ms"] = ttft("traced2")
+        torch.cuda.synchronize()
+    prof.export_chrome_trace(str(out / "ttft_trace_nostack.json"))
+    report["ttft_gaps_nostack"] = gpu_gaps(out / "ttft_trace_nostack.json")
+    (out / "ttft_trace_nostack.json").unlink()
+
+    torch.cuda.set_sync_debug_mode("warn")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        ttft("sync")
+    torch.cuda.set_sync_debug_mode("default")
+    report["sync_calls"] = Counter(f"{w.filename}:{w.lineno}" for w in caught
+                                   if "synchroniz" in str(w.message)).most_common(20)
+
+    params = SamplingParams(temperature=0, max_tokens=10 ** 6, ignore_eos=True)
+    for name, image in (("text", False), ("image", True)):
+        engine.add_request(name, rr.make_prompt(llm, image, 512, 7), params)
+        host_times(engine, 30)
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            host_times(engine, 20)
+        report[f"calls_{name}"] = runtime_calls(prof, 20)
+        for mode in ("default", "frozen"):
+            if mode == "frozen":
+                gc.collect()
+                gc.freeze()
+            t, spent, n = gc_time(lambda: host_times(engine, args.steps))
+            report[f"host_{name}_{mode}"] = {**describe(t), "gc_ms": spent * 1e3,
+                                             "collections": n}
+            if mode == "frozen":
+                gc.unfreeze()
+        engine.abort_request(name)
+        while engine.has_unfinished_requests():
+            engine.step()
+    (out / "gaps.json").write_text(json.dumps(report, indent=1))
+    g = report["ttft_gaps"]
+    print(f"TTFT {np.median(plain):.2f} ms (traced {traced:.2f}); window {g['window_ms']:.2f} ms, "
+          f"GPU busy {g['gpu_busy_ms']:.2f} ms, first kernel after {g['lead_ms']:.2f} ms, "
+          f"{g['gaps']} gaps >= 5 us = {g['gap_ms']:.2f} ms")
+    for r in g["top"]:
+        print(f"  at {r['at_ms']:7.2f} ms gap {r['gap_us']:8.1f} us -> {r['kernel'][:40]:40s} "
+              f"launch->start {r.get('launch_to_start_us', float('nan')):8.1f} us "
+              f"{r.get('op')} | {r.get('frame')}")
+    g2 = report["ttft_gaps_nostack"]
+    print(f"without stacks: TTFT {report['ttft_traced_nostack_ms']:.2f} ms, window "
+          f"{g2['window_ms']:.2f}, GPU busy {g2['gpu_busy_ms']:.2f}, first kernel after "
+          f"{g2['lead_ms']:.2f} ms, {g2['gaps']} gaps = {g2['gap_ms']:.2f} ms; largest:")
+    for r in g2["top"][:8]:
+        print(f"  at {r['at_ms']:7.2f} ms gap {r['gap_us']:8.1f} us -> {r['kernel'][:40]:40s} "
+              f"launch->start {r.get('launch_to_start_us', float('nan')):8.1f} us {r.get('op')}")
+    print("synchronising calls:", report["sync_calls"])
+    for name in ("text", "image"):
+        print(f"host calls per {name} decode step (calls, us):",
+              [(k, round(c, 1), round(us, 1)) for k, c, us in report[f"calls_{name}"]])
+    print("| host ms/step | median | p90 | p99 | max | mean | gc ms | gcs |")
+    for k, v in report.items():
+        if k.startswith("host_"):
+            print(f"| {k[5:]} | {v['median']:.3f} | {v['p90']:.3f} | {v['p99']:.3f} | "
+                  f"{v['max']:.3f} | {v['mean']:.3f} | {v['gc_ms']:.2f} | {v['collections']} |")
+
+
+if __name__ == "__main__":
+    main()
