@@ -14,7 +14,7 @@ from vllm.model_executor.model_loader.loader import get_model
 from vllm.multimodal.processing import MllamaInputProcessor
 from vllm.transformers_utils.config import DEFAULT_ASPECT_RATIOS, load_mllama_config
 from vllm.transformers_utils.tokenizer import get_image_processor, get_tokenizer
-from vllm.worker.prefill_inputs import PrefillItem, build_prefill_batch
+from vllm.worker.prefill_inputs import PrefillItem, build_prefill_batch, step_images
 
 TOL = 1e-4
 TILE = 56  # the tiny demo's tile size
@@ -73,9 +73,10 @@ class Ours:
         items = [PrefillItem(p.prompt_token_ids, p, i) for i, p in enumerate(processed)]
         batch = build_prefill_batch(items, 16, 16, torch.device("cpu"))
         vision = None
-        if batch.pixel_values is not None:
-            vision = self.model.encode_images(batch.pixel_values, batch.aspect_ratio_ids,
-                                              batch.num_tiles)
+        images = step_images(items, torch.device("cpu"))
+        if images is not None:
+            vision = self.model.encode_images(images.pixel_values, images.aspect_ratio_ids,
+                                              images.num_tiles)
         with set_forward_context(batch.metadata):
             hidden = self.model(batch.input_ids, batch.positions, vision)
         logits = self.model.compute_logits(hidden)

@@ -7,7 +7,7 @@ import torch
 from vllm.multimodal.cross_attention import image_runs, last_group
 from vllm.multimodal.processing import ImageInputs, ProcessedInputs
 from vllm.worker.decode_state import DecodeRows
-from vllm.worker.prefill_inputs import PrefillItem, build_prefill_batch
+from vllm.worker.prefill_inputs import PrefillItem, build_prefill_batch, step_images
 
 IMG, P = 99, 5  # image token id, vision tokens per tile
 
@@ -39,7 +39,11 @@ def test_prefill_metadata_for_a_mixed_batch() -> None:
     assert md.slot_mapping.tolist()[:9] == [28, 29, 30, 12, 13, 14, 15, 24, 25]
     assert md.slot_mapping.tolist()[9:] == [16, 17, 18, 19, 20, 21]
     # Vision tokens: request "o" at 0..10, request "i" at 10..40.
-    assert b.num_tiles == [2, 1, 3, 2] and b.pixel_values.shape[0] == 4
+    images = step_images(items, torch.device("cpu"))
+    assert images is not None and images.num_tiles == [2, 1, 3, 2]
+    assert torch.equal(images.pixel_values, torch.cat([one.images.pixel_values,
+                                                       inter.images.pixel_values]))
+    assert images.aspect_ratio_ids.tolist() == [1, 1, 2, 3]
     r = md.cross_kv_ranges.tolist()
     assert r[:3] == [[0, 0]] * 3  # text-only
     assert r[3:9] == [[0, 10]] * 6  # including the recomputed generated tokens
@@ -76,3 +80,24 @@ def test_decode_rows_gather_and_advance() -> None:
     assert x.slot_mapping.tolist()[:2] == [27, 44]
     rows.release(a)
     assert rows.gather(torch.tensor([a]), 3, 2).seq_lens.tolist() == [0]
+
+
+def test_step_images_skip_siblings_and_images_encoded_ahead() -> None:
+    a = _inputs([IMG, 1, 2], [2])
+    b = _inputs([IMG, 3], [3])
+    c = _inputs([IMG, IMG, 4], [1, 2])
+    ahead = torch.randn(15, 8)  # b's 3 tiles x 5 tokens, already encoded
+    items = [PrefillItem([IMG, 1, 2], a, "a"), PrefillItem([IMG, 1, 2], a, "a"),  # siblings
+             PrefillItem([IMG, 3], b, "b", encoded=ahead), PrefillItem([IMG, IMG, 4], c, "c"),
+             PrefillItem([5, 6], _inputs([5, 6], []), "t")]
+    images = step_images(items, torch.device("cpu"))
+    assert images is not None and images.num_tiles == [2, 1, 2]
+    assert torch.equal(images.pixel_values,
+                       torch.cat([a.images.pixel_values, c.images.pixel_values]))
+    # The batch places b's ahead-encoded tokens between the fresh encodings of a and c.
+    batch = build_prefill_batch(items, block_size=4, cross_block_size=8,
+                                device=torch.device("cpu"))
+    fresh = torch.arange(25 * 8, dtype=torch.float32).view(25, 8)  # a: 10 rows, c: 15 rows
+    vision = batch.assemble_vision(fresh)
+    assert torch.equal(vision, torch.cat([fresh[:10], ahead, fresh[10:]]))
+    assert step_images(items[2:3] + items[4:], torch.device("cpu")) is None

@@ -58,18 +58,19 @@ def _profile_inputs(runner) -> list[ProcessedInputs]:
 def profile_prefill_peak(runner) -> int:
     """Peak bytes allocated while running the worst-case prefill step (no caches bound)."""
     from vllm.forward_context import set_forward_context
-    from vllm.worker.prefill_inputs import PrefillItem, build_prefill_batch
+    from vllm.worker.prefill_inputs import PrefillItem, build_prefill_batch, step_images
 
     lo = runner.layout
     items = [PrefillItem(list(p.prompt_token_ids), p, i) for i, p in
              enumerate(_profile_inputs(runner))]
     batch = build_prefill_batch(items, lo.block_size, lo.cross_block_size, runner.device)
+    images = step_images(items, runner.device)
     torch.cuda.synchronize()
     torch.cuda.reset_peak_memory_stats()
     vision = None
-    if batch.pixel_values is not None:
-        vision = runner.model.encode_images(batch.pixel_values, batch.aspect_ratio_ids,
-                                            batch.num_tiles)
+    if images is not None:
+        vision = runner.model.encode_images(images.pixel_values, images.aspect_ratio_ids,
+                                            images.num_tiles)
     with set_forward_context(batch.metadata):
         hidden = runner.model(batch.input_ids, batch.positions, vision)
     runner.model.compute_logits(hidden[batch.logits_indices])

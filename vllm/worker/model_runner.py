@@ -36,7 +36,7 @@ from vllm.model_executor.models.mllama_vision import ImagesEncoding
 from vllm.utils import to_device
 from vllm.worker.cache_engine import CacheEngine, PageLayout
 from vllm.worker.decode_state import DecodeInputs, DecodeRows
-from vllm.worker.prefill_inputs import PrefillBatch, PrefillItem, build_prefill_batch
+from vllm.worker.prefill_inputs import PrefillBatch, PrefillItem, build_prefill_batch, step_images
 
 
 @contextlib.contextmanager
@@ -284,13 +284,15 @@ class ModelRunner:
                                      req.cross_block_table, write_cross, req.encoded_images))
             if write_cross:
                 req.cross_written = True
+        # The encoder first: the GPU runs it while the host builds the text inputs.
+        images = step_images(items, self.device)
+        vision = None
+        if images is not None:
+            vision = self.encode_images(images.pixel_values, images.aspect_ratio_ids,
+                                        images.num_tiles)
         batch = build_prefill_batch(items, lo.block_size, lo.cross_block_size, self.device)
         for s in out.prefill_seqs:
             s.request.encoded_images = None  # consumed (freed once this step has run)
-        vision = None
-        if batch.pixel_values is not None:
-            vision = self.encode_images(batch.pixel_values, batch.aspect_ratio_ids,
-                                        batch.num_tiles)
         if batch.vision_parts:
             vision = batch.assemble_vision(vision)
         with set_forward_context(batch.metadata):

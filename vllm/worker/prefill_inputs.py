@@ -38,9 +38,6 @@ class PrefillBatch:
     positions: torch.Tensor  # [T] int64
     metadata: AttentionMetadata
     logits_indices: torch.Tensor  # [num_seqs] int64: each sequence's last token
-    pixel_values: torch.Tensor | None  # [N, max_tiles, C, S, S]
-    aspect_ratio_ids: torch.Tensor | None  # [N]
-    num_tiles: list[int]
     # When some images were encoded ahead: per image group in vision order, its encoded tokens
     # or None (take the next rows of this step's fresh encoding), with its token count.
     vision_parts: list[tuple[torch.Tensor | None, int]] = field(default_factory=list)
@@ -56,20 +53,44 @@ class PrefillBatch:
         return torch.cat(parts) if len(parts) > 1 else parts[0]
 
 
+@dataclass
+class StepImages:
+    """The images a prefill step encodes, on the device, in the step's vision order."""
+
+    pixel_values: torch.Tensor  # [N, max_tiles, C, S, S]
+    aspect_ratio_ids: torch.Tensor  # [N]
+    num_tiles: list[int]
+
+
+def step_images(items: list[PrefillItem], device: torch.device) -> StepImages | None:
+    """Uploads the images to encode in this step: each request's once (the first item of its
+    ``vision_key``), none that was encoded ahead. The runner calls it before
+    ``build_prefill_batch`` so the encoder starts while the host builds the text inputs;
+    the order is the one ``build_prefill_batch`` gives the vision tokens."""
+    seen: set[object] = set()
+    pixels, ar_ids, num_tiles = [], [], []
+    for item in items:
+        images = item.inputs.images
+        if images is None or item.vision_key in seen:
+            continue
+        seen.add(item.vision_key)
+        if item.encoded is None:
+            pixels.append(images.pixel_values)
+            ar_ids.append(images.aspect_ratio_ids)
+            num_tiles += images.num_tiles
+    if not pixels:
+        return None
+    cpu = pixels[0] if len(pixels) == 1 else torch.cat(pixels)
+    # One image (pinned by the input processor) goes straight across.
+    return StepImages(to_device(cpu, cpu.dtype, device),
+                      to_device(torch.cat(ar_ids), torch.int64, device), num_tiles)
+
+
 def _slots(table: list[int], count: int, page: int) -> torch.Tensor:
     """Slots of positions 0..count-1 through a page table (vectorised: vision groups are
     thousands of tokens)."""
     pages = torch.tensor(table[:-(-count // page)], dtype=torch.int64)
     return (pages[:, None] * page + torch.arange(page)).flatten()[:count]
-
-
-def _pixels_to(pixels: list[torch.Tensor], device: torch.device) -> torch.Tensor | None:
-    """Concatenated pixels on the device; one image (pinned by the input processor) goes
-    straight across."""
-    if not pixels:
-        return None
-    cpu = pixels[0] if len(pixels) == 1 else torch.cat(pixels)
-    return to_device(cpu, cpu.dtype, device)
 
 
 class _Upload:
@@ -109,7 +130,6 @@ def build_prefill_batch(items: list[PrefillItem], block_size: int, cross_block_s
     runs: list[tuple[int, int, int, int]] = []
     cross_src: list[torch.Tensor] = []
     cross_slots: list[torch.Tensor] = []
-    pixel, ar_ids, num_tiles = [], [], []
     vision_base: dict[object, int] = {}
     n_vision = 0
     parts: list[tuple[torch.Tensor | None, int]] = []
@@ -127,10 +147,6 @@ def build_prefill_batch(items: list[PrefillItem], block_size: int, cross_block_s
             base = vision_base[item.vision_key] = n_vision
             n_vision += inp.num_vision_tokens
             parts.append((item.encoded, inp.num_vision_tokens))
-            if item.encoded is None:
-                pixel.append(inp.images.pixel_values)
-                ar_ids.append(inp.images.aspect_ratio_ids)
-                num_tiles += inp.images.num_tiles
         item_ranges = [(0, 0)] * n
         offsets = inp.image_token_offsets()
         item_runs = list(inp.runs)
@@ -164,7 +180,6 @@ def build_prefill_batch(items: list[PrefillItem], block_size: int, cross_block_s
     h_src = up.add(torch.cat(cross_src)) if cross_src else None
     h_cslots = up.add(torch.cat(cross_slots)) if cross_slots else None
     h_last = up.add([s - 1 for s in starts[1:]])
-    h_ar = up.add(torch.cat(ar_ids)) if ar_ids else None
     dev = up.to(device)
 
     md = AttentionMetadata(
@@ -191,8 +206,5 @@ def build_prefill_batch(items: list[PrefillItem], block_size: int, cross_block_s
         positions=dev[h_pos],
         metadata=md,
         logits_indices=dev[h_last],
-        pixel_values=_pixels_to(pixel, device),
-        aspect_ratio_ids=dev[h_ar] if h_ar is not None else None,
-        num_tiles=num_tiles,
         vision_parts=parts if any(e is not None for e, _ in parts) else [],
     )
