@@ -53,6 +53,20 @@ def test_greedy_is_argmax_with_lowest_index_on_ties(device: str) -> None:
     assert out.logprobs is None and out.sampled_ranks is None
 
 
+def test_precomputed_greedy_ids_used_only_without_logit_edits() -> None:
+    """The decode graphs hand the sampler their argmax: taken as is for plain greedy rows,
+    recomputed when a logit edit (here a bias) changes the logits."""
+    torch.manual_seed(1)
+    logits = torch.randn(2, 30)
+    marker = torch.tensor([11, 12])  # deliberately not the argmax: shows which one is used
+    plain = [row(SamplingParams(temperature=0.0))] * 2
+    md = SamplingMetadata.build(plain, 30, logits.device)
+    assert torch.equal(Sampler()(logits, md, greedy_ids=marker).sampled_token_ids, marker)
+    biased = [row(SamplingParams(temperature=0.0, logit_bias={3: 100.0}))] * 2
+    md = SamplingMetadata.build(biased, 30, logits.device)
+    assert Sampler()(logits, md, greedy_ids=marker).sampled_token_ids.tolist() == [3, 3]
+
+
 @pytest.mark.parametrize("device", DEVICES)
 def test_mixed_batch(device: str) -> None:
     torch.manual_seed(1)

@@ -87,7 +87,7 @@ def test_no_host_sync_guard_works() -> None:
 
 def test_graph_equals_eager_padded_to_same_bucket(pair) -> None:
     """Same shapes, same kernels: replay and an eager forward on the padded batch are bitwise
-    equal (both families)."""
+    equal (both families), and the graph's in-graph argmax is the logits' argmax."""
     llm = pair[0]
     _start_decoding(llm, 3)
     runner = llm.llm_engine.runner
@@ -96,11 +96,13 @@ def test_graph_equals_eager_padded_to_same_bucket(pair) -> None:
     padded = torch.tensor(rows + [graphs.null_row], device=runner.device)
     with torch.inference_mode():
         for cross in (False, True):
-            replayed = graphs.run(rows, cross=cross)[0].clone()
+            logits, _, greedy = graphs.run(rows, cross=cross)
+            replayed, greedy = logits.clone(), greedy.clone()
             eager = runner.decode_forward(padded, graphs.width, graphs.cross_width,
                                           graphs.max_seq_len,
                                           graphs.max_encoder_seq_len if cross else 0)[:3]
             assert torch.equal(replayed, eager)
+            assert torch.equal(greedy, eager.argmax(dim=-1))
     _finish(llm)
 
 

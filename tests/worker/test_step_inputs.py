@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from vllm.multimodal.cross_attention import image_runs, last_group
 from vllm.multimodal.processing import ImageInputs, ProcessedInputs
-from vllm.worker.decode_state import DecodeRows
+from vllm.worker.decode_state import DecodeRows, advance_rows
 from vllm.worker.prefill_inputs import PrefillItem, build_prefill_batch, step_images
 
 IMG, P = 99, 5  # image token id, vision tokens per tile
@@ -48,6 +49,9 @@ def test_prefill_metadata_for_a_mixed_batch() -> None:
     assert r[:3] == [[0, 0]] * 3  # text-only
     assert r[3:9] == [[0, 10]] * 6  # including the recomputed generated tokens
     assert r[9:] == [[0, 0], [10, 15], [10, 15], [15, 30], [15, 40], [15, 40]]
+    # Attention calls: adjacent runs with the same vision range are merged.
+    assert md.cross_range_runs == [(3, 9, 0, 10), (10, 12, 10, 15), (12, 13, 15, 30),
+                                   (13, 15, 15, 40)]
     assert md.encoder_seq_lens == [0, 10, 25] and md.max_encoder_seq_len == 25
     # Only the last image group of each request is cached, in its cross pages.
     assert md.cross_cache_src.tolist() == list(range(0, 10)) + list(range(15, 40))
@@ -80,6 +84,27 @@ def test_decode_rows_gather_and_advance() -> None:
     assert x.slot_mapping.tolist()[:2] == [27, 44]
     rows.release(a)
     assert rows.gather(torch.tensor([a]), 3, 2).seq_lens.tolist() == [0]
+
+
+@pytest.mark.parametrize("kernel", [False, True])
+def test_greedy_advance_skips_padding_rows(kernel: bool) -> None:
+    """What a decode graph does after its argmax: real rows get their token and move on; the
+    null row (padding, possibly repeated) stays at position -1. ``kernel``: the Triton
+    kernel the graphs use on CUDA (here in Triton's interpreter)."""
+    dev = torch.device("cuda" if kernel and torch.cuda.is_available() else "cpu")
+    rows = DecodeRows(max_rows=4, max_pages=3, max_cross_pages=2, block_size=4, device=dev)
+    a, b = rows.acquire(), rows.acquire()
+    rows.load(a, [5, 6], [], 0, position=6)
+    rows.load(b, [9], [3, 4], 12, position=3)
+    idx = torch.tensor([b, rows.null_row, a, rows.null_row], device=dev)
+    ids = torch.tensor([11, 12, 13, 14], device=dev)
+    if kernel:
+        advance_rows(idx, ids, rows.tokens, rows.positions, rows.null_row)
+    else:
+        rows.advance_greedy(idx, ids)
+    assert rows.tokens[[a, b]].tolist() == [13, 11]
+    assert rows.positions[[a, b, rows.null_row]].tolist() == [7, 4, -1]
+    assert rows.positions[2:4].tolist() == [-1, -1]  # free rows untouched
 
 
 def test_step_images_skip_siblings_and_images_encoded_ahead() -> None:

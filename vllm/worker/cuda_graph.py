@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from vllm.logger import init_logger
+from vllm.model_executor.layers.sampling_utils import row_argmax
 
 if TYPE_CHECKING:
     from vllm.worker.model_runner import ModelRunner
@@ -59,15 +60,20 @@ class DecodeGraphRunner:
         vocab = cfg.model_config.spec.text.vocab_size
         self.static_logits = torch.empty(sizes[-1], vocab, dtype=torch.float32,
                                          device=self.device)
+        # Each row's argmax, computed inside the graph: greedy batches need nothing more.
+        self.static_greedy = torch.zeros(sizes[-1], dtype=torch.int64, device=self.device)
         self.capture_time_s = 0.0
         self.graph_memory_bytes = 0
 
     def forward(self, bs: int, family: str) -> torch.Tensor:
         """The captured function: decode over ``static_rows[:bs]`` with static scalars,
-        logits into the shared static buffer."""
+        logits into the shared static buffer and their row argmax into ``static_greedy``."""
         enc = self.max_encoder_seq_len if family == CROSS else 0
-        return self.runner.decode_forward(self.static_rows[:bs], self.width, self.cross_width,
-                                          self.max_seq_len, enc, logits_out=self.static_logits[:bs])
+        logits = self.runner.decode_forward(self.static_rows[:bs], self.width, self.cross_width,
+                                            self.max_seq_len, enc,
+                                            logits_out=self.static_logits[:bs])
+        row_argmax(logits, out=self.static_greedy[:bs])
+        return logits
 
     @torch.inference_mode()
     def capture(self) -> None:
@@ -104,11 +110,12 @@ class DecodeGraphRunner:
             raise RuntimeError(f"decode batch of {n} exceeds the largest graph ({self.sizes[-1]})")
         return self.sizes[i]
 
-    def run(self, row_ids: list[int], cross: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    def run(self, row_ids: list[int],
+            cross: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Pads the rows to their bucket and replays (or emulates) the family's graph.
 
-        Returns the logits [n, V] and the device row index [n] (a view of the static buffer,
-        valid until the next run)."""
+        Returns the logits [n, V], the device row index [n] and the logits' row argmax [n]
+        (views of static buffers, valid until the next run)."""
         n = len(row_ids)
         bs = self.bucket_for(n)
         family = CROSS if cross else TEXT
@@ -126,4 +133,4 @@ class DecodeGraphRunner:
         else:
             logits = self.forward(bs, family)
         self.runner.stats.graph_replays[(family, bs)] += 1
-        return logits[:n], self.static_rows[:n]
+        return logits[:n], self.static_rows[:n], self.static_greedy[:n]

@@ -158,7 +158,12 @@ def build_prefill_batch(items: list[PrefillItem], block_size: int, cross_block_s
             kv0, kv1 = base + offsets[run.img_start], base + offsets[run.img_end]
             q0, q1 = run.tok_start, min(run.tok_end, n)
             item_ranges[q0:q1] = [(kv0, kv1)] * (q1 - q0)
-            runs.append((t0 + q0, t0 + q1, kv0, kv1))
+            if runs and runs[-1][1:] == (t0 + q0, kv0, kv1):
+                # Adjacent with the same vision range (an image token and the text after
+                # it): one attention call instead of two.
+                runs[-1] = (runs[-1][0], t0 + q1, kv0, kv1)
+            else:
+                runs.append((t0 + q0, t0 + q1, kv0, kv1))
         ranges += item_ranges
         enc_len = inp.encoder_seq_len
         enc_lens.append(enc_len)

@@ -197,14 +197,20 @@ class SamplerOutput:
 class Sampler(nn.Module):
     """Turns a step's logits into tokens (see the module docstring for the exact semantics)."""
 
-    def forward(self, logits: torch.Tensor, metadata: SamplingMetadata) -> SamplerOutput:
+    def forward(self, logits: torch.Tensor, metadata: SamplingMetadata,
+                greedy_ids: torch.Tensor | None = None) -> SamplerOutput:
+        """``greedy_ids``: the row argmax of these logits if already computed (the decode
+        graphs do it); used only when no logit edit applies."""
         assert logits.dim() == 2 and logits.shape[0] == len(metadata.rows), logits.shape
         assert logits.shape[1] == metadata.vocab_size, (logits.shape, metadata.vocab_size)
         logits = logits.to(torch.float32)
         if metadata.any_logit_edits:
             logits = self._edit_logits(logits, metadata)
 
-        greedy_ids = None if metadata.all_random else logits.argmax(dim=-1)
+        if metadata.all_random:
+            greedy_ids = None
+        elif greedy_ids is None or metadata.any_logit_edits:
+            greedy_ids = ops.row_argmax(logits)
         logprobs = None
         if metadata.max_num_logprobs is not None:
             logprobs = logits.log_softmax(dim=-1)

@@ -162,3 +162,15 @@ def gather_logprobs(
         chosen = torch.cat([chosen, top_values], dim=1)
         token_ids = torch.cat([token_ids, top_ids], dim=1)
     return chosen, token_ids, ranks
+
+
+def row_argmax(logits: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    """``argmax`` over the last dim of a 2-D tensor (optionally into ``out``): the one-kernel
+    Triton reduction on CUDA, ``torch.argmax`` elsewhere; the same answer either way."""
+    if logits.is_cuda and logits.stride(-1) == 1:
+        from vllm.model_executor.layers.triton_argmax import argmax_rows
+
+        return argmax_rows(logits, out=out)
+    if out is None:
+        return logits.argmax(dim=-1)
+    return torch.argmax(logits, dim=-1, out=out)

@@ -1,0 +1,54 @@
+"""Greedy sampling's row argmax over the 11B vocabulary (float32 logits): torch.argmax against
+the two-kernel Triton reduction (CUDA), at several tile sizes. Times are per call inside a CUDA
+graph of 20 calls (what a decode graph pays), median of 20 replays; every variant is checked
+against torch.argmax.
+
+    python benchmarks/kernels/benchmark_argmax.py
+"""
+
+from __future__ import annotations
+
+import statistics
+
+import torch
+
+from vllm.model_executor.layers.triton_argmax import argmax_rows
+
+VOCAB = 128256
+CALLS = 20
+
+
+def graph_us(fn) -> float:
+    for _ in range(3):
+        fn()
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        for _ in range(CALLS):
+            fn()
+    times = []
+    for _ in range(20):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        g.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) * 1e3 / CALLS)
+    return statistics.median(times)
+
+
+def main() -> None:
+    for batch in (1, 8, 64):
+        x = torch.randn(batch, VOCAB, device="cuda")
+        ref = x.argmax(dim=-1)
+        out = torch.empty_like(ref)
+        row = [f"batch {batch:3d}: torch.argmax {graph_us(lambda x=x: x.argmax(dim=-1)):6.1f} us"]
+        for block in (1024, 2048, 4096, 8192):
+            assert torch.equal(argmax_rows(x, block=block), ref)
+            us = graph_us(lambda x=x, o=out, b=block: argmax_rows(x, out=o, block=b))
+            row.append(f"triton/{block} {us:6.1f} us")
+        print(", ".join(row), flush=True)
+
+
+if __name__ == "__main__":
+    main()
