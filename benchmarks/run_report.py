@@ -97,17 +97,23 @@ def time_decode(llm: LLM, steps: int) -> tuple[float, float]:
 
 
 def replay_ms(llm: LLM, cross: bool, bs: int, iters: int = 20) -> float:
-    """GPU time of the decode graph alone (replays on the current rows)."""
-    graphs = llm.llm_engine.runner.graphs
+    """GPU time of the decode graph alone (replays on the current rows). A replay also
+    advances the rows (greedy tokens, positions), so their state is restored afterwards."""
+    runner = llm.llm_engine.runner
+    graphs, rows = runner.graphs, runner.rows
     if not torch.cuda.is_available():
         return float("nan")
     g = graphs.graphs[("cross" if cross else "text", graphs.bucket_for(bs))]
+    saved = rows.tokens.clone(), rows.positions.clone()
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     start.record()
     for _ in range(iters):
+        rows.positions.copy_(saved[1])  # the same step each time (same KV lengths)
         g.replay()
     end.record()
     sync()
+    rows.tokens.copy_(saved[0])
+    rows.positions.copy_(saved[1])
     return start.elapsed_time(end) / iters
 
 

@@ -12,8 +12,10 @@ from vllm.model_executor.layers.triton_argmax import argmax_rows
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
 
-@pytest.mark.parametrize("n", [1, 7, 4096, 4097, 3 * 4096 + 5])
-def test_argmax_matches_torch(n: int) -> None:
+@pytest.mark.parametrize("n,block", [(1, 2048), (7, 2048), (4096, 2048), (4097, 2048),
+                                     (3 * 4096 + 5, 2048), (3 * 4096 + 5, 1024),
+                                     (20000, 512)])  # the last: 40 tiles, a wider merge
+def test_argmax_matches_torch(n: int, block: int) -> None:
     g = torch.Generator().manual_seed(n)
     x = torch.randn(6, n, generator=g)
     x[1] = float("-inf")  # all -inf: index 0
@@ -24,7 +26,7 @@ def test_argmax_matches_torch(n: int) -> None:
         x[4, [1, n - 1]] = 1e30  # a tie of maxima in different lanes and tiles
         x[5, n - 1] = float("inf")
     x = x.to(DEVICE)
-    assert torch.equal(argmax_rows(x), x.argmax(dim=-1))
+    assert torch.equal(argmax_rows(x, block=block), x.argmax(dim=-1))
 
 
 def test_argmax_strided_rows_and_out() -> None:

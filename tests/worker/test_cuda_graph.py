@@ -87,17 +87,28 @@ def test_no_host_sync_guard_works() -> None:
 
 def test_graph_equals_eager_padded_to_same_bucket(pair) -> None:
     """Same shapes, same kernels: replay and an eager forward on the padded batch are bitwise
-    equal (both families), and the graph's in-graph argmax is the logits' argmax."""
+    equal (both families), the graph's in-graph argmax is the logits' argmax, and the graph
+    advanced the real rows with it."""
     llm = pair[0]
     _start_decoding(llm, 3)
     runner = llm.llm_engine.runner
     graphs = runner.graphs
     rows = [s.row for r in llm.llm_engine.scheduler.running for s in r.seqs]
     padded = torch.tensor(rows + [graphs.null_row], device=runner.device)
+    state = runner.rows
     with torch.inference_mode():
         for cross in (False, True):
+            tokens, positions = state.tokens.clone(), state.positions.clone()
             logits, _, greedy = graphs.run(rows, cross=cross)
             replayed, greedy = logits.clone(), greedy.clone()
+            # The graph also advanced the rows with its greedy tokens (padding row untouched).
+            advanced_tokens, advanced_positions = tokens.clone(), positions.clone()
+            advanced_tokens[rows] = greedy
+            advanced_positions[rows] += 1
+            assert torch.equal(state.tokens, advanced_tokens)
+            assert torch.equal(state.positions, advanced_positions)
+            state.tokens.copy_(tokens)
+            state.positions.copy_(positions)
             eager = runner.decode_forward(padded, graphs.width, graphs.cross_width,
                                           graphs.max_seq_len,
                                           graphs.max_encoder_seq_len if cross else 0)[:3]

@@ -67,12 +67,17 @@ class DecodeGraphRunner:
 
     def forward(self, bs: int, family: str) -> torch.Tensor:
         """The captured function: decode over ``static_rows[:bs]`` with static scalars,
-        logits into the shared static buffer and their row argmax into ``static_greedy``."""
+        logits into the shared static buffer, their row argmax into ``static_greedy``, and
+        the rows advanced with it."""
         enc = self.max_encoder_seq_len if family == CROSS else 0
         logits = self.runner.decode_forward(self.static_rows[:bs], self.width, self.cross_width,
                                             self.max_seq_len, enc,
                                             logits_out=self.static_logits[:bs])
         row_argmax(logits, out=self.static_greedy[:bs])
+        # Greedy tokens into the rows and positions on: nothing left to launch for a greedy
+        # step (the runner rewrites the tokens when it samples others).
+        assert self.runner.rows is not None
+        self.runner.rows.advance_greedy(self.static_rows[:bs], self.static_greedy[:bs])
         return logits
 
     @torch.inference_mode()

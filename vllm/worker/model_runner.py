@@ -357,6 +357,9 @@ class ModelRunner:
         self.rows.set_pages([(s.row, len(s.block_table) - 1, p) for s, p in out.new_pages])
         max_enc = max(s.request.inputs.encoder_seq_len for s in seqs)
         row_ids = [s.row for s in seqs]
+        # Sampling inputs first: what a request can make fail fails before the graph
+        # advances the rows, so a failed step leaves them as they were (and runs again).
+        sampling = self._sampling_rows(seqs)
         greedy = None
         if self.graphs is not None:
             logits, rows_t, greedy = self.graphs.run(row_ids, cross=max_enc > 0)
@@ -364,8 +367,12 @@ class ModelRunner:
             rows_t = to_device(row_ids, torch.int64, self.device)
             logits = self._eager_decode(seqs, rows_t, max_enc)
             self.stats.eager_decode_steps += 1
-        sampler_out = self.sampler(logits, self._sampling_rows(seqs), greedy_ids=greedy)
-        self.rows.advance(rows_t, sampler_out.sampled_token_ids)
+        sampler_out = self.sampler(logits, sampling, greedy_ids=greedy)
+        if greedy is None:
+            self.rows.advance(rows_t, sampler_out.sampled_token_ids)
+        elif sampler_out.sampled_token_ids is not greedy:
+            # The graph advanced the rows with its greedy tokens; these were sampled instead.
+            self.rows.set_tokens(rows_t, sampler_out.sampled_token_ids)
         return StepOutput(seqs=list(seqs), token_ids=[]), sampler_out
 
     def _eager_decode(self, seqs: list[Sequence], rows_t: torch.Tensor,

@@ -1,8 +1,8 @@
 """Row-wise argmax in Triton, with ``torch.argmax``'s exact answer.
 
 A greedy decode step reduces ``[batch, vocab]`` float32 logits to token ids. ``torch.argmax``
-gives a row to one thread block (about 40 us for the 128,256-entry vocabulary on an H200,
-longer than a decode layer). Here each row is split over ``cdiv(vocab, BLOCK)`` programs that
+gives a row to one thread block (for the 128,256-entry vocabulary on an H200: about 27 us per
+call inside a CUDA graph, 40 us launched alone; longer than a decode layer). Here each row is split over ``cdiv(vocab, BLOCK)`` programs that
 each reduce one tile to (best value, first index), and a second small kernel reduces those
 partials per row; both run inside the decode graph.
 
@@ -17,7 +17,7 @@ import torch
 import triton
 import triton.language as tl
 
-BLOCK = 4096
+BLOCK = 2048  # H200, in a graph: 3.0 / 4.0 / 9.8 us at batch 1 / 8 / 64 (torch.argmax ~27 us)
 
 
 @triton.jit
