@@ -11,7 +11,7 @@
    synchronising calls it makes, by source line.
 3. Times ``ModelRunner.launch`` for every bs=1 decode step (text-only, then one image) and
    prints median / p90 / p99 / max / mean, the garbage collector's share of that time, and
-   the same after ``gc.freeze()``.
+   the same after ``gc.freeze()``, and with the GPU drained before each step.
 """
 
 from __future__ import annotations
@@ -87,8 +87,9 @@ def gpu_gaps(trace_path: Path, min_gap_us: float = 5.0, top: int = 20) -> dict:
             "top": sorted(gaps, key=lambda g: -g["gap_us"])[:top]}
 
 
-def host_times(engine, steps: int) -> np.ndarray:
-    """Seconds of ``ModelRunner.launch`` for each of ``steps`` decode steps."""
+def host_times(engine, steps: int, idle: bool = False) -> np.ndarray:
+    """Seconds of ``ModelRunner.launch`` for each of ``steps`` decode steps; ``idle``: with
+    the GPU drained before each step (no launch can wait on a full queue)."""
     runner = engine.runner
     real, times = runner.launch, []
 
@@ -102,6 +103,8 @@ def host_times(engine, steps: int) -> np.ndarray:
     try:
         for _ in range(steps):
             engine.step()
+            if idle:
+                torch.cuda.synchronize()
     finally:
         runner.launch = real
     torch.cuda.synchronize()
@@ -194,11 +197,11 @@ def main() -> None:
         with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
             host_times(engine, 20)
         report[f"calls_{name}"] = runtime_calls(prof, 20)
-        for mode in ("default", "frozen"):
+        for mode in ("default", "frozen", "idle"):
             if mode == "frozen":
                 gc.collect()
                 gc.freeze()
-            t, spent, n = gc_time(lambda: host_times(engine, args.steps))
+            t, spent, n = gc_time(lambda m=mode: host_times(engine, args.steps, m == "idle"))
             report[f"host_{name}_{mode}"] = {**describe(t), "gc_ms": spent * 1e3,
                                              "collections": n}
             if mode == "frozen":

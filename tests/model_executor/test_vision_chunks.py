@@ -61,3 +61,17 @@ def test_budget_bounds_the_work_per_call(model) -> None:
         after = enc.remaining_layers()
         assert 1 <= before - after <= 3
         before = after
+
+
+@pytest.mark.parametrize("size", [(56, 56), (30, 45)])  # exact patches; partial edge patches
+def test_patch_gemm_equals_the_convolution(size: tuple[int, int]) -> None:
+    """The patch embedding runs as a GEMM over the patches: the same numbers as the stride-p
+    convolution the checkpoint's weight belongs to."""
+    from vllm.model_executor.models.mllama_vision import _patchify
+
+    g = torch.Generator().manual_seed(0)
+    images = torch.randn(3, 3, *size, generator=g, dtype=torch.float64)
+    weight = torch.randn(8, 3, 14, 14, generator=g, dtype=torch.float64)
+    conv = torch.nn.functional.conv2d(images, weight, stride=14)  # [3, 8, H/14, W/14]
+    gemm = _patchify(images, 14) @ weight.reshape(8, -1).T  # [3, patches, 8]
+    torch.testing.assert_close(gemm, conv.flatten(2).transpose(1, 2), rtol=1e-12, atol=1e-12)

@@ -1,10 +1,11 @@
 """Row-wise argmax in Triton, with ``torch.argmax``'s exact answer.
 
 A greedy decode step reduces ``[batch, vocab]`` float32 logits to token ids. ``torch.argmax``
-gives a row to one thread block (for the 128,256-entry vocabulary on an H200: about 27 us per
-call inside a CUDA graph, 40 us launched alone; longer than a decode layer). Here each row is split over ``cdiv(vocab, BLOCK)`` programs that
-each reduce one tile to (best value, first index), and a second small kernel reduces those
-partials per row; both run inside the decode graph.
+gives a row to one thread block: for the 128,256-entry vocabulary on an H200 about 27 us per
+call inside a CUDA graph (40 us launched alone), longer than a decode layer. Here each row is
+split over ``cdiv(vocab, BLOCK)`` programs that each reduce one tile to (best value, first
+index), and a second small kernel reduces those partials per row; both run inside the decode
+graph.
 
 Same result as ``torch.argmax(dim=-1)``: the first index of the maximum; NaN counts as larger
 than everything (the first NaN wins); a row of -inf gives 0. Only comparisons, no arithmetic,

@@ -194,6 +194,15 @@ def _valid_first_order(num_tiles: int, max_tiles: int, tokens: int, padded: int,
     return torch.argsort((~valid).to(torch.int8), stable=True)
 
 
+def _patchify(images: torch.Tensor, p: int) -> torch.Tensor:
+    """[B, C, H, W] -> [B, (H/p) * (W/p), C * p * p]: the non-overlapping p x p patches in
+    row-major order, each flattened as (channel, row, column) like a convolution weight."""
+    b, c, h, w = images.shape
+    hp, wp = h // p, w // p  # a partial edge patch is dropped, as the convolution drops it
+    x = images[:, :, :hp * p, :wp * p].reshape(b, c, hp, p, wp, p).permute(0, 2, 4, 1, 3, 5)
+    return x.reshape(b, hp * wp, c * p * p)
+
+
 class MllamaVisionModel(nn.Module):
     """Pixels of tiled images -> per-token features ``[num_valid_tokens, vision_output_dim]``."""
 
@@ -217,9 +226,11 @@ class MllamaVisionModel(nn.Module):
         # pixel_values: [N, T, C, S, S] -> [N, T, P_padded, D]
         s = self.spec
         n, t = pixel_values.shape[:2]
-        w = self.patch_embedding.weight
-        x = self.patch_embedding(pixel_values.flatten(0, 1).to(w.dtype))
-        x = x.flatten(2).transpose(1, 2).view(n, t, -1, s.hidden_size)
+        w = self.patch_embedding.weight  # [D, C, p, p]
+        x = _patchify(pixel_values.flatten(0, 1).to(w.dtype), s.patch_size)
+        # The stride-p convolution as one GEMM over the patches (cuDNN's kernel for this
+        # convolution took 0.47 ms on the H200 for 4 tiles; the GEMM and the patch copy ~30 us).
+        x = F.linear(x, w.reshape(w.shape[0], -1)).view(n, t, -1, s.hidden_size)
         x = x + self.pre_tile_positional_embedding(aspect_ratio_ids).unsqueeze(2)
         cls = self.class_embedding.view(1, 1, 1, -1).expand(n, t, 1, -1)
         x = torch.cat((cls, x), dim=2)
