@@ -83,6 +83,14 @@ def test_no_host_sync_guard_works() -> None:
         x = torch.ones(3)
         if x.sum() > 0:  # a Python branch on tensor data
             pass
+    x = torch.arange(4)
+    for masked in (lambda: x[x > 1], lambda: x.masked_select(x > 1),  # data-dependent shapes
+                   lambda: x.__setitem__(x > 1, 0)):
+        with pytest.raises(AssertionError, match="host-device"), NoHostSync():
+            masked()
+    with NoHostSync():  # integer indices and where() are fine
+        picked, kept = x[torch.tensor([0, 2])], torch.where(x > 1, x, 0)
+    assert picked.tolist() == [0, 2] and kept.tolist() == [0, 0, 2, 3]
 
 
 def test_graph_equals_eager_padded_to_same_bucket(pair) -> None:

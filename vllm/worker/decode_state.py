@@ -135,8 +135,11 @@ class DecodeRows:
         if rows.is_cuda:
             advance_rows(rows, greedy, self.tokens, self.positions, self.null_row)
             return
+        # The same without a data-dependent index (nothing here may read tensor data on the
+        # host): padding rows rewrite the null row's own token and add 0 to its position.
         live = rows != self.null_row
-        self.advance(rows[live], greedy[live])
+        self.tokens.index_copy_(0, rows, torch.where(live, greedy, self.tokens[rows]))
+        self.positions.index_add_(0, rows, live.to(self.positions.dtype))
 
     def set_tokens(self, rows: torch.Tensor, sampled: torch.Tensor) -> None:
         self.tokens.index_copy_(0, rows, sampled)
