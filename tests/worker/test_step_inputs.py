@@ -7,7 +7,7 @@ import torch
 
 from vllm.multimodal.cross_attention import image_runs, last_group
 from vllm.multimodal.processing import ImageInputs, ProcessedInputs
-from vllm.worker.decode_state import DecodeRows, advance_rows
+from vllm.worker.decode_state import DecodeRows
 from vllm.worker.prefill_inputs import PrefillItem, build_prefill_batch, step_images
 
 IMG, P = 99, 5  # image token id, vision tokens per tile
@@ -99,6 +99,8 @@ def test_greedy_advance_skips_padding_rows(kernel: bool) -> None:
     idx = torch.tensor([b, rows.null_row, a, rows.null_row], device=dev)
     ids = torch.tensor([11, 12, 13, 14], device=dev)
     if kernel:
+        from vllm.worker.row_advance import advance_rows
+
         advance_rows(idx, ids, rows.tokens, rows.positions, rows.null_row)
     else:
         rows.advance_greedy(idx, ids)
