@@ -16,6 +16,7 @@ from vllm.model_executor.layers.fused_kernels import (
     rms_norm,
     rotary_inplace,
     silu_and_mul,
+    vision_embed_norm,
 )
 from vllm.model_executor.layers.layernorm import rms_norm_ref
 from vllm.model_executor.layers.rotary_embedding import RotaryEmbedding
@@ -130,3 +131,33 @@ def test_add_layer_norm(dtype, shape, mode: str) -> None:
     else:
         assert torch.equal(s, expected_sum)  # rounded as the torch ops round
     assert torch.allclose(out.float(), expected.float(), atol=_tol(dtype), rtol=_tol(dtype))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_vision_embed_norm_matches_the_torch_steps(dtype) -> None:
+    """The vision embedding stage in one kernel against its torch steps: pre-tile add, class
+    token, gated position and tile embeddings, LayerNorm, zero padding rows."""
+    n, t, p, d, padded, aspect_ratios = 2, 3, 5, 96, 8, 4
+    g = torch.Generator().manual_seed(7)
+
+    def rand(*shape, scale=1.0):
+        return (scale * torch.randn(*shape, generator=g)).to(DEVICE, dtype)
+
+    patches, pre, cls = rand(n, t, p - 1, d), rand(n, t, d, scale=0.3), rand(d)
+    position, table = rand(p, d, scale=0.5), rand(aspect_ratios, t * p * d, scale=0.5)
+    gate = torch.tensor([0.7], device=DEVICE).tanh().to(dtype)
+    ar = torch.tensor([3, 1], device=DEVICE)
+    w, b = rand(d, scale=0.1) + 1, rand(d, scale=0.1)
+    x = patches + pre.unsqueeze(2)
+    x = torch.cat((cls.view(1, 1, 1, d).expand(n, t, 1, d), x), dim=2)
+    x = x + (1 - gate) * position.view(1, 1, p, d)
+    x = x + gate * table[ar].view(n, t, p, d)
+    expected = F.pad(F.layer_norm(x, (d,), w, b, 1e-5), (0, 0, 0, padded - p))
+    out = vision_embed_norm(patches, pre, cls, position, 1 - gate, gate, table, ar, w, b, 1e-5,
+                            padded)
+    assert out.shape == (n, t, padded, d)
+    assert torch.equal(out[:, :, p:], torch.zeros_like(out[:, :, p:]))
+    tol = 1e-5 if dtype == torch.float32 else 3e-2
+    torch.testing.assert_close(out.float(), expected.float(), rtol=tol, atol=tol)
+    if DEVICE == "cuda" and dtype == torch.bfloat16:  # same roundings: nearly all bitwise
+        assert (out == expected).float().mean() > 0.98

@@ -201,3 +201,68 @@ def add_layer_norm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, ep
         d2.stride(0), s.stride(0), out.stride(0), eps, HAS_DELTA=delta is not None,
         HAS_GATE=gate is not None, BLOCK=block, num_warps=min(max(block // 256, 1), 16))
     return s.view(x.shape), out.view(x.shape)
+
+
+@triton.jit
+def _vision_embed_kernel(patch_ptr, pre_ptr, cls_ptr, pos_ptr, one_minus_ptr, gate_ptr,
+                         tile_ptr, ar_ptr, w_ptr, b_ptr, out_ptr, n_cols, eps,
+                         TILES: tl.constexpr, TOKENS: tl.constexpr, PADDED: tl.constexpr,
+                         BLOCK: tl.constexpr):
+    # One program per output row (image, tile, token of the padded tile).
+    pid = tl.program_id(0)
+    token = pid % PADDED
+    tile = (pid // PADDED) % TILES
+    image = pid // (PADDED * TILES)
+    cols = tl.arange(0, BLOCK)
+    m = cols < n_cols
+    out = out_ptr + pid.to(tl.int64) * n_cols + cols
+    if token >= TOKENS:  # padding rows are zeros
+        tl.store(out, tl.zeros([BLOCK], dtype=out_ptr.dtype.element_ty), mask=m)
+    else:
+        dt = out_ptr.dtype.element_ty
+        if token == 0:
+            x = tl.load(cls_ptr + cols, mask=m, other=0.0)
+        else:  # the patch's projection plus its tile's pre-tile embedding, rounded
+            row = (image * TILES + tile).to(tl.int64) * (TOKENS - 1) + token - 1
+            p = tl.load(patch_ptr + row * n_cols + cols, mask=m, other=0.0).to(tl.float32)
+            pre = tl.load(pre_ptr + (image * TILES + tile) * n_cols + cols, mask=m, other=0.0)
+            x = (p + pre.to(tl.float32)).to(dt)
+        # x + (1 - g) * position, then + g * tile embedding, each product and sum rounded as
+        # the reference's separate torch operations round them.
+        pos = tl.load(pos_ptr + token * n_cols + cols, mask=m, other=0.0).to(tl.float32)
+        a = (tl.load(one_minus_ptr).to(tl.float32) * pos).to(dt)
+        x = (x.to(tl.float32) + a.to(tl.float32)).to(dt)
+        ar = tl.load(ar_ptr + image).to(tl.int64)
+        t_off = ar * (TILES * TOKENS * n_cols) + (tile * TOKENS + token) * n_cols
+        te = tl.load(tile_ptr + t_off + cols, mask=m, other=0.0).to(tl.float32)
+        bt = (tl.load(gate_ptr).to(tl.float32) * te).to(dt)
+        x = (x.to(tl.float32) + bt.to(tl.float32)).to(dt)
+        xf = x.to(tl.float32)
+        mean = tl.sum(xf, axis=0) / n_cols
+        diff = tl.where(m, xf - mean, 0.0)
+        rstd = 1.0 / tl.sqrt(tl.sum(diff * diff, axis=0) / n_cols + eps)
+        w = tl.load(w_ptr + cols, mask=m, other=0.0).to(tl.float32)
+        b = tl.load(b_ptr + cols, mask=m, other=0.0).to(tl.float32)
+        tl.store(out, (diff * rstd * w + b).to(dt), mask=m)
+
+
+def vision_embed_norm(patches: torch.Tensor, pre_tile: torch.Tensor, cls: torch.Tensor,
+                      position: torch.Tensor, one_minus_gate: torch.Tensor,
+                      gate: torch.Tensor, tile_table: torch.Tensor,
+                      aspect_ratio_ids: torch.Tensor, norm_weight: torch.Tensor,
+                      norm_bias: torch.Tensor, eps: float, padded: int) -> torch.Tensor:
+    """The vision tower's embedding stage in one launch: for every tile, the class token then
+    the patches (``patches`` [N, T, P - 1, D] plus ``pre_tile`` [N, T, D]), plus
+    ``one_minus_gate * position`` ([P, D]) and ``gate * tile_table[aspect_ratio_ids]``
+    (the [A, T * P * D] embedding table), layer-normed, padded with zero rows to ``padded``
+    tokens: [N, T, padded, D]. Rounded where the separate torch operations round."""
+    n, t, p1, d = patches.shape
+    assert patches.is_contiguous() and pre_tile.is_contiguous() and position.is_contiguous()
+    assert tile_table.is_contiguous() and tile_table.shape[1] == t * (p1 + 1) * d
+    out = torch.empty(n, t, padded, d, dtype=patches.dtype, device=patches.device)
+    block = triton.next_power_of_2(d)
+    _vision_embed_kernel[(n * t * padded,)](
+        patches, pre_tile, cls, position, one_minus_gate, gate, tile_table, aspect_ratio_ids,
+        norm_weight, norm_bias, out, d, eps, TILES=t, TOKENS=p1 + 1, PADDED=padded,
+        BLOCK=block, num_warps=min(max(block // 256, 1), 16))
+    return out
