@@ -8,7 +8,8 @@
    ran, and the innermost ``vllm/`` Python frame that launched it. A kernel that starts right
    after its launch call ends a host-bound gap.
 2. Runs the same request with ``torch.cuda.set_sync_debug_mode("warn")`` and lists the
-   synchronising calls it makes, by source line.
+   synchronising calls it makes, by source line; GPU time by kernel, split into what the
+   vision graph replays and what is launched eagerly.
 3. Times ``ModelRunner.launch`` for every bs=1 decode step (text-only, then one image) and
    prints median / p90 / p99 / max / mean, the garbage collector's share of that time, and
    the same after ``gc.freeze()``, and with the GPU drained before each step.
@@ -85,6 +86,26 @@ def gpu_gaps(trace_path: Path, min_gap_us: float = 5.0, top: int = 20) -> dict:
     return {"window_ms": (window[1] - window[0]) / 1e3, "gpu_busy_ms": busy / 1e3,
             "lead_ms": lead / 1e3, "gaps": len(gaps), "gap_ms": total / 1e3,
             "top": sorted(gaps, key=lambda g: -g["gap_us"])[:top]}
+
+
+def kernel_tables(trace_path: Path, top: int = 15) -> dict[str, list[tuple[str, int, float]]]:
+    """GPU time by kernel name, split into work replayed from CUDA graphs and work launched
+    eagerly: {"graph" | "eager": [(name, calls, total us)]}, largest first."""
+    ev = json.loads(trace_path.read_text())["traceEvents"]
+    launch_name = {e["args"]["correlation"]: e["name"] for e in ev
+                   if e.get("cat") in ("cuda_runtime", "cuda_driver")
+                   and "correlation" in e.get("args", {})}
+    tables: dict[str, dict[str, list]] = {"graph": {}, "eager": {}}
+    for e in ev:
+        if e.get("ph") != "X" or e.get("cat") not in GPU_CATS:
+            continue
+        via = launch_name.get(e.get("args", {}).get("correlation"), "")
+        row = tables["graph" if via.startswith("cudaGraphLaunch") else "eager"].setdefault(
+            e["name"][:90], [0, 0.0])
+        row[0] += 1
+        row[1] += e.get("dur", 0)
+    return {k: sorted(((n, c, us) for n, (c, us) in t.items()), key=lambda r: -r[2])[:top]
+            for k, t in tables.items()}
 
 
 def host_times(engine, steps: int, idle: bool = False) -> np.ndarray:
@@ -173,7 +194,8 @@ def main() -> None:
         torch.cuda.synchronize()
     prof.export_chrome_trace(str(out / "ttft_trace.json"))
     report = {"ttft_ms": plain, "ttft_traced_ms": traced,
-              "ttft_gaps": gpu_gaps(out / "ttft_trace.json")}
+              "ttft_gaps": gpu_gaps(out / "ttft_trace.json"),
+              "ttft_kernels": kernel_tables(out / "ttft_trace.json")}
     # Python stacks slow the host several-fold; the same without them, totals only.
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         report["ttft_traced_nostack_ms"] = ttft("traced2")
@@ -225,6 +247,10 @@ def main() -> None:
     for r in g2["top"][:8]:
         print(f"  at {r['at_ms']:7.2f} ms gap {r['gap_us']:8.1f} us -> {r['kernel'][:40]:40s} "
               f"launch->start {r.get('launch_to_start_us', float('nan')):8.1f} us {r.get('op')}")
+    for part, rows in report["ttft_kernels"].items():
+        print(f"TTFT kernels {part}:")
+        for name, calls, us in rows:
+            print(f"  {us / 1e3:8.3f} ms {calls:5d} x {us / calls:8.1f} us  {name}")
     print("synchronising calls:", report["sync_calls"])
     for name in ("text", "image"):
         print(f"host calls per {name} decode step (calls, us):",

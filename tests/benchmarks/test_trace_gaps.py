@@ -51,3 +51,22 @@ def test_gaps_are_found_and_attributed(trace_gaps, tmp_path: Path) -> None:
     assert top["launch_to_start_us"] == pytest.approx(8)
     assert top["op"] == "aten::add"
     assert top["frame"] == "vllm/worker/model_runner.py(20): _prefill"
+
+
+def test_kernel_tables_split_graph_and_eager(trace_gaps, tmp_path: Path) -> None:
+    events = [
+        x("cuda_runtime", "cudaGraphLaunch", 0, 50, correlation=1),
+        x("kernel", "attn", 60, 300, correlation=1),
+        x("kernel", "attn", 360, 300, correlation=1),
+        x("kernel", "gemm", 660, 100, correlation=1),
+        x("cuda_runtime", "cudaLaunchKernel", 100, 5, correlation=2),
+        x("kernel", "gemm", 760, 40, correlation=2),
+        x("cuda_driver", "cuLaunchKernelEx", 110, 5, correlation=3),
+        x("kernel", "rms", 800, 5, correlation=3),
+        x("gpu_memcpy", "Memcpy HtoD", 805, 2),  # no launch record: eager
+    ]
+    path = tmp_path / "t.json"
+    path.write_text(json.dumps({"traceEvents": events}))
+    t = trace_gaps.kernel_tables(path)
+    assert t["graph"] == [("attn", 2, 600.0), ("gemm", 1, 100.0)]
+    assert t["eager"] == [("gemm", 1, 40.0), ("rms", 1, 5.0), ("Memcpy HtoD", 1, 2.0)]
