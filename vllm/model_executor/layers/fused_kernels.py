@@ -255,9 +255,10 @@ def vision_embed_norm(patches: torch.Tensor, pre_tile: torch.Tensor, cls: torch.
     the patches (``patches`` [N, T, P - 1, D] plus ``pre_tile`` [N, T, D]), plus
     ``one_minus_gate * position`` ([P, D]) and ``gate * tile_table[aspect_ratio_ids]``
     (the [A, T * P * D] embedding table), layer-normed, padded with zero rows to ``padded``
-    tokens: [N, T, padded, D]. Each product and sum is rounded to the output dtype where the
-    separate torch operations round; in bf16 the result is within a rounding or two of theirs,
-    not bitwise equal (81% of elements equal in the H200 test)."""
+    tokens: [N, T, padded, D]. Written to round each product and sum where the separate torch
+    operations round, but for sm_90 the compiler contracts each gated product and the add after
+    it into one ``fma.rn.bf16`` (one rounding fewer), so in bf16 the result is within a
+    rounding of torch's, not bitwise equal (81% of elements equal in the H200 test)."""
     n, t, p1, d = patches.shape
     assert patches.is_contiguous() and pre_tile.is_contiguous() and position.is_contiguous()
     assert tile_table.is_contiguous() and tile_table.shape[1] == t * (p1 + 1) * d
