@@ -62,18 +62,24 @@ class StepImages:
     num_tiles: list[int]
 
 
+def _image_owners(items: list[PrefillItem]) -> list[PrefillItem]:
+    """The items whose images the step's vision tokens hold, in vision order: the first item
+    with images of each ``vision_key`` (siblings share one encoding)."""
+    owners: dict[object, PrefillItem] = {}
+    for item in items:
+        if item.inputs.images is not None:
+            owners.setdefault(item.vision_key, item)
+    return list(owners.values())
+
+
 def step_images(items: list[PrefillItem], device: torch.device) -> StepImages | None:
-    """Uploads the images to encode in this step: each request's once (the first item of its
-    ``vision_key``), none that was encoded ahead. The runner calls it before
+    """Uploads the images to encode in this step: each request's once (``_image_owners``),
+    none that was encoded ahead. The runner calls it before
     ``build_prefill_batch`` so the encoder starts while the host builds the text inputs;
     the order is the one ``build_prefill_batch`` gives the vision tokens."""
-    seen: set[object] = set()
     pixels, ar_ids, num_tiles = [], [], []
-    for item in items:
+    for item in _image_owners(items):
         images = item.inputs.images
-        if images is None or item.vision_key in seen:
-            continue
-        seen.add(item.vision_key)
         if item.encoded is None:
             pixels.append(images.pixel_values)
             ar_ids.append(images.aspect_ratio_ids)
@@ -133,6 +139,10 @@ def build_prefill_batch(items: list[PrefillItem], block_size: int, cross_block_s
     vision_base: dict[object, int] = {}
     n_vision = 0
     parts: list[tuple[torch.Tensor | None, int]] = []
+    for owner in _image_owners(items):
+        vision_base[owner.vision_key] = n_vision
+        n_vision += owner.inputs.num_vision_tokens
+        parts.append((owner.encoded, owner.inputs.num_vision_tokens))
     seq_lens, enc_lens = [], []
     for item in items:
         inp, n = item.inputs, len(item.token_ids)
@@ -143,10 +153,6 @@ def build_prefill_batch(items: list[PrefillItem], block_size: int, cross_block_s
                      else torch.full((n,), -1, dtype=torch.int64))
         seq_lens.append(n)
         base = vision_base.get(item.vision_key)
-        if base is None and inp.images is not None:
-            base = vision_base[item.vision_key] = n_vision
-            n_vision += inp.num_vision_tokens
-            parts.append((item.encoded, inp.num_vision_tokens))
         item_ranges = [(0, 0)] * n
         offsets = inp.image_token_offsets()
         item_runs = list(inp.runs)
