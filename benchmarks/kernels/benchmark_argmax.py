@@ -8,9 +8,8 @@ against torch.argmax.
 
 from __future__ import annotations
 
-import statistics
-
 import torch
+from benchmark_attention import time_graph_us
 
 from vllm.model_executor.layers.triton_argmax import argmax_rows
 
@@ -19,22 +18,7 @@ CALLS = 20
 
 
 def graph_us(fn) -> float:
-    for _ in range(3):
-        fn()
-    torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        for _ in range(CALLS):
-            fn()
-    times = []
-    for _ in range(20):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        g.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) * 1e3 / CALLS)
-    return statistics.median(times)
+    return time_graph_us([fn] * CALLS, replays=20)
 
 
 def main() -> None:

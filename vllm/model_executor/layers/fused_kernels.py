@@ -158,6 +158,18 @@ def rotary_inplace(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
 
 
 @triton.jit
+def _layer_norm_row(xf, m, n_cols, w_ptr, b_ptr, cols, eps):
+    """float32 LayerNorm of one row (``m`` masks the columns past ``n_cols``), like
+    ``F.layer_norm``'s float32 math; the caller rounds and stores it."""
+    mean = tl.sum(xf, axis=0) / n_cols
+    diff = tl.where(m, xf - mean, 0.0)
+    rstd = 1.0 / tl.sqrt(tl.sum(diff * diff, axis=0) / n_cols + eps)
+    w = tl.load(w_ptr + cols, mask=m, other=0.0).to(tl.float32)
+    b = tl.load(b_ptr + cols, mask=m, other=0.0).to(tl.float32)
+    return diff * rstd * w + b
+
+
+@triton.jit
 def _add_layer_norm_kernel(x_ptr, d_ptr, g_ptr, w_ptr, b_ptr, sum_ptr, out_ptr, n_cols,
                            x_stride, d_stride, s_stride, o_stride, eps,
                            HAS_DELTA: tl.constexpr, HAS_GATE: tl.constexpr,
@@ -172,13 +184,8 @@ def _add_layer_norm_kernel(x_ptr, d_ptr, g_ptr, w_ptr, b_ptr, sum_ptr, out_ptr, 
             d = (tl.load(g_ptr).to(tl.float32) * d.to(tl.float32)).to(x.dtype)
         x = (x.to(tl.float32) + d.to(tl.float32)).to(x.dtype)
         tl.store(sum_ptr + row * s_stride + cols, x, mask=m)
-    xf = x.to(tl.float32)
-    mean = tl.sum(xf, axis=0) / n_cols
-    diff = tl.where(m, xf - mean, 0.0)
-    rstd = 1.0 / tl.sqrt(tl.sum(diff * diff, axis=0) / n_cols + eps)
-    w = tl.load(w_ptr + cols, mask=m, other=0.0).to(tl.float32)
-    b = tl.load(b_ptr + cols, mask=m, other=0.0).to(tl.float32)
-    tl.store(out_ptr + row * o_stride + cols, (diff * rstd * w + b).to(x.dtype), mask=m)
+    y = _layer_norm_row(x.to(tl.float32), m, n_cols, w_ptr, b_ptr, cols, eps)
+    tl.store(out_ptr + row * o_stride + cols, y.to(x.dtype), mask=m)
 
 
 def add_layer_norm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, eps: float,
@@ -237,13 +244,8 @@ def _vision_embed_kernel(patch_ptr, pre_ptr, cls_ptr, pos_ptr, one_minus_ptr, ga
         te = tl.load(tile_ptr + t_off + cols, mask=m, other=0.0).to(tl.float32)
         bt = (tl.load(gate_ptr).to(tl.float32) * te).to(dt)
         x = (x.to(tl.float32) + bt.to(tl.float32)).to(dt)
-        xf = x.to(tl.float32)
-        mean = tl.sum(xf, axis=0) / n_cols
-        diff = tl.where(m, xf - mean, 0.0)
-        rstd = 1.0 / tl.sqrt(tl.sum(diff * diff, axis=0) / n_cols + eps)
-        w = tl.load(w_ptr + cols, mask=m, other=0.0).to(tl.float32)
-        b = tl.load(b_ptr + cols, mask=m, other=0.0).to(tl.float32)
-        tl.store(out, (diff * rstd * w + b).to(dt), mask=m)
+        tl.store(out, _layer_norm_row(x.to(tl.float32), m, n_cols, w_ptr, b_ptr, cols,
+                                      eps).to(dt), mask=m)
 
 
 def vision_embed_norm(patches: torch.Tensor, pre_tile: torch.Tensor, cls: torch.Tensor,
