@@ -123,13 +123,14 @@ def test_add_layer_norm(dtype, shape, mode: str) -> None:
         # Triton's interpreter rounds float32 -> bf16 differently from the GPU: 1 ulp of the
         # operands (values ~N(0, 1)) per rounding, two with a gate.
         assert torch.allclose(s.float(), expected_sum.float(), rtol=1.6e-2, atol=3e-2)
-    elif mode == "gated":
-        # The compiler may contract the gated multiply and the add (one rounding fewer than
-        # the two torch ops): at most one ulp of the operands (values ~N(0, 1)).
-        ulp = 2.0**-7 if dtype == torch.bfloat16 else 2.0**-23
+    elif mode == "gated" and dtype == torch.float32:
+        # float32: the compiler may contract the gated multiply and the add (one rounding
+        # fewer than the two torch ops): at most one ulp of the operands (values ~N(0, 1)).
+        ulp = 2.0**-23
         assert torch.allclose(s.float(), expected_sum.float(), rtol=ulp, atol=4 * ulp)
     else:
-        assert torch.equal(s, expected_sum)  # rounded as the torch ops round
+        # rounded as the torch ops round (bf16 gated products through integer rounding)
+        assert torch.equal(s, expected_sum)
     assert torch.allclose(out.float(), expected.float(), atol=_tol(dtype), rtol=_tol(dtype))
 
 
@@ -157,7 +158,7 @@ def test_vision_embed_norm_matches_the_torch_steps(dtype) -> None:
                             padded)
     assert out.shape == (n, t, padded, d)
     assert torch.equal(out[:, :, p:], torch.zeros_like(out[:, :, p:]))
-    # bf16: within a rounding of the torch steps (the compiler contracts the gated products
-    # and adds into bf16 FMAs; on an H200, 81% of the elements were bitwise equal here).
     tol = 1e-5 if dtype == torch.float32 else 3e-2
     torch.testing.assert_close(out.float(), expected.float(), rtol=tol, atol=tol)
+    if DEVICE == "cuda" and dtype == torch.bfloat16:  # same roundings: nearly all bitwise
+        assert (out == expected).float().mean() > 0.99

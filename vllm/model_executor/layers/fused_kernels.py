@@ -170,6 +170,18 @@ def _layer_norm_row(xf, m, n_cols, w_ptr, b_ptr, cols, eps):
 
 
 @triton.jit
+def _rounded(v, dt: tl.constexpr):
+    """float32 ``v`` rounded to ``dt`` and back, in a way the compiler cannot contract with
+    a following add: bf16 by integer round-to-nearest-even on the bits (finite values)."""
+    if dt == tl.bfloat16:
+        bits = v.to(tl.uint32, bitcast=True)
+        bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
+        return bits.to(tl.float32, bitcast=True)
+    else:
+        return v.to(dt).to(tl.float32)
+
+
+@triton.jit
 def _add_layer_norm_kernel(x_ptr, d_ptr, g_ptr, w_ptr, b_ptr, sum_ptr, out_ptr, n_cols,
                            x_stride, d_stride, s_stride, o_stride, eps,
                            HAS_DELTA: tl.constexpr, HAS_GATE: tl.constexpr,
@@ -181,8 +193,10 @@ def _add_layer_norm_kernel(x_ptr, d_ptr, g_ptr, w_ptr, b_ptr, sum_ptr, out_ptr, 
     if HAS_DELTA:
         d = tl.load(d_ptr + row * d_stride + cols, mask=m, other=0.0)
         if HAS_GATE:  # rounded like the reference's separate multiply
-            d = (tl.load(g_ptr).to(tl.float32) * d.to(tl.float32)).to(x.dtype)
-        x = (x.to(tl.float32) + d.to(tl.float32)).to(x.dtype)
+            df = _rounded(tl.load(g_ptr).to(tl.float32) * d.to(tl.float32), x.dtype)
+        else:
+            df = d.to(tl.float32)
+        x = (x.to(tl.float32) + df).to(x.dtype)
         tl.store(sum_ptr + row * s_stride + cols, x, mask=m)
     y = _layer_norm_row(x.to(tl.float32), m, n_cols, w_ptr, b_ptr, cols, eps)
     tl.store(out_ptr + row * o_stride + cols, y.to(x.dtype), mask=m)
@@ -194,8 +208,8 @@ def add_layer_norm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, ep
     """(s, layer_norm(s)) with s = x + gate * delta (x itself without ``delta``), in one launch.
 
     x, delta: [..., H] with contiguous rows; gate: [1]. Without a gate ``s`` is rounded exactly
-    as ``x + delta`` is in torch; with one, the compiler may fuse the multiply into the add (one
-    rounding fewer than the two torch ops, measured within one ulp on an H200). The norm is
+    as ``x + delta`` is in torch; with one, bf16 products are rounded before the add as torch
+    rounds them (in float32 the compiler may contract the two into one FMA). The norm is
     float32 math like ``F.layer_norm``. Eager and graph-captured calls run the same kernel."""
     h = x.shape[-1]
     x2 = x.reshape(-1, h)
@@ -237,13 +251,13 @@ def _vision_embed_kernel(patch_ptr, pre_ptr, cls_ptr, pos_ptr, one_minus_ptr, ga
         # x + (1 - g) * position, then + g * tile embedding, each product and sum rounded as
         # the reference's separate torch operations round them.
         pos = tl.load(pos_ptr + token * n_cols + cols, mask=m, other=0.0).to(tl.float32)
-        a = (tl.load(one_minus_ptr).to(tl.float32) * pos).to(dt)
-        x = (x.to(tl.float32) + a.to(tl.float32)).to(dt)
+        a = _rounded(tl.load(one_minus_ptr).to(tl.float32) * pos, dt)
+        x = (x.to(tl.float32) + a).to(dt)
         ar = tl.load(ar_ptr + image).to(tl.int64)
         t_off = ar * (TILES * TOKENS * n_cols) + (tile * TOKENS + token) * n_cols
         te = tl.load(tile_ptr + t_off + cols, mask=m, other=0.0).to(tl.float32)
-        bt = (tl.load(gate_ptr).to(tl.float32) * te).to(dt)
-        x = (x.to(tl.float32) + bt.to(tl.float32)).to(dt)
+        bt = _rounded(tl.load(gate_ptr).to(tl.float32) * te, dt)
+        x = (x.to(tl.float32) + bt).to(dt)
         tl.store(out, _layer_norm_row(x.to(tl.float32), m, n_cols, w_ptr, b_ptr, cols,
                                       eps).to(dt), mask=m)
 
@@ -257,10 +271,9 @@ def vision_embed_norm(patches: torch.Tensor, pre_tile: torch.Tensor, cls: torch.
     the patches (``patches`` [N, T, P - 1, D] plus ``pre_tile`` [N, T, D]), plus
     ``one_minus_gate * position`` ([P, D]) and ``gate * tile_table[aspect_ratio_ids]``
     (the [A, T * P * D] embedding table), layer-normed, padded with zero rows to ``padded``
-    tokens: [N, T, padded, D]. Written to round each product and sum where the separate torch
-    operations round, but for sm_90 the compiler contracts each gated product and the add after
-    it into one ``fma.rn.bf16`` (one rounding fewer), so in bf16 the result is within a
-    rounding of torch's, not bitwise equal (81% of elements equal in the H200 test)."""
+    tokens: [N, T, padded, D]. Each product and sum is rounded where the separate torch
+    operations round (the gated products through integer rounding: written as a float
+    conversion, sm_90 code contracted them with the add into one ``fma.rn.bf16``)."""
     n, t, p1, d = patches.shape
     assert patches.is_contiguous() and pre_tile.is_contiguous() and position.is_contiguous()
     assert tile_table.is_contiguous() and tile_table.shape[1] == t * (p1 + 1) * d
