@@ -134,6 +134,20 @@ def test_add_layer_norm(dtype, shape, mode: str) -> None:
     assert torch.allclose(out.float(), expected.float(), atol=_tol(dtype), rtol=_tol(dtype))
 
 
+def test_add_layer_norm_writes_into_given_rows() -> None:
+    """sum_out / norm_out: the results land in the given (row-sliced) buffers, same values."""
+    g = torch.Generator().manual_seed(7)
+    x, delta = (torch.randn(6, 64, generator=g).to(DEVICE) for _ in range(2))
+    w, b = torch.ones(64, device=DEVICE), torch.zeros(64, device=DEVICE)
+    s_ref, n_ref = add_layer_norm(x[2:5], w, b, 1e-5, delta[2:5])
+    s_buf, n_buf = torch.zeros(6, 64, device=DEVICE), torch.zeros(6, 64, device=DEVICE)
+    s, n = add_layer_norm(x[2:5], w, b, 1e-5, delta[2:5], sum_out=s_buf[2:5],
+                          norm_out=n_buf[2:5])
+    assert s.data_ptr() == s_buf[2:5].data_ptr() and n.data_ptr() == n_buf[2:5].data_ptr()
+    assert torch.equal(s_buf[2:5], s_ref) and torch.equal(n_buf[2:5], n_ref)
+    assert not s_buf[:2].any() and not n_buf[5:].any()
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_vision_embed_norm_matches_the_torch_steps(dtype) -> None:
     """The vision embedding stage in one kernel against its torch steps: pre-tile add, class

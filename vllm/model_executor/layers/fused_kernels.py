@@ -204,23 +204,31 @@ def _add_layer_norm_kernel(x_ptr, d_ptr, g_ptr, w_ptr, b_ptr, sum_ptr, out_ptr, 
 
 def add_layer_norm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, eps: float,
                    delta: torch.Tensor | None = None,
-                   gate: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                   gate: torch.Tensor | None = None, sum_out: torch.Tensor | None = None,
+                   norm_out: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """(s, layer_norm(s)) with s = x + gate * delta (x itself without ``delta``), in one launch.
 
     x, delta: [..., H] with contiguous rows; gate: [1]. Without a gate ``s`` is rounded exactly
     as ``x + delta`` is in torch; with one, bf16 products are rounded before the add as torch
     rounds them (in float32 the compiler may contract the two into one FMA). The norm is
-    float32 math like ``F.layer_norm``. Eager and graph-captured calls run the same kernel."""
+    float32 math like ``F.layer_norm``. Eager and graph-captured calls run the same kernel.
+    ``sum_out`` / ``norm_out`` (optional, [rows, H] with unit column stride) receive s and the
+    norm instead of new tensors; the returned tensors are then those, shaped [rows, H]."""
     h = x.shape[-1]
     x2 = x.reshape(-1, h)
     d2 = delta.reshape(-1, h) if delta is not None else x2
-    s = torch.empty_like(x2) if delta is not None else x2
-    out = torch.empty_like(x2)
+    if delta is None:
+        s = x2
+    else:
+        s = torch.empty_like(x2) if sum_out is None else sum_out
+    out = torch.empty_like(x2) if norm_out is None else norm_out
     block = triton.next_power_of_2(h)
     _add_layer_norm_kernel[(x2.shape[0],)](
         x2, d2, gate if gate is not None else x2, weight, bias, s, out, h, x2.stride(0),
         d2.stride(0), s.stride(0), out.stride(0), eps, HAS_DELTA=delta is not None,
         HAS_GATE=gate is not None, BLOCK=block, num_warps=min(max(block // 256, 1), 16))
+    if sum_out is not None or norm_out is not None:
+        return s, out
     return s.view(x.shape), out.view(x.shape)
 
 
