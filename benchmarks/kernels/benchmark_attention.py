@@ -28,8 +28,14 @@ import torch
 import torch.nn.functional as F
 import triton
 
+from vllm.attention.ops import reference as ref
 from vllm.attention.ops.triton_decode import DecodeConfig, paged_decode_attention
-from vllm.attention.ops.triton_prefill import ranged_cross_attention, varlen_causal_attention
+from vllm.attention.ops.triton_prefill import (
+    default_prefill_config,
+    ranged_cross_attention,
+    split_count,
+    varlen_causal_attention,
+)
 
 HQ, HKV, HEAD_DIM, DTYPE = 32, 8, 128, torch.bfloat16
 SELF_PAGE, CROSS_PAGE, CROSS_LEN = 16, 64, 6404
@@ -179,17 +185,27 @@ def bench_prefill() -> list[Row]:
         rows.append(Row(name, 1, n, ms * 1e3, tflops=causal_flops / (ms * 1e-3) / 1e12))
     vk, vv = (torch.randn(CROSS_LEN, HKV, HEAD_DIM, dtype=DTYPE, device="cuda") for _ in "kv")
     kt, vt = (x.transpose(0, 1).unsqueeze(0) for x in (vk, vv))
-    for t in (128, 1024):  # one image prompt's text; a long one
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    cfg = default_prefill_config(DTYPE)
+    for t in (16, 128, 256, 512, 1024):  # short and one image prompt's text; long ones
         vq = torch.randn(t, HQ, HEAD_DIM, dtype=DTYPE, device="cuda")
         ranges = torch.tensor([[0, CROSS_LEN]] * t, dtype=torch.int32, device="cuda")
         qt = vq.transpose(0, 1).unsqueeze(0)
+        auto = split_count(t, HQ, CROSS_LEN, sms, cfg)
         cases = {
             "prefill ranged cross triton": lambda vq=vq, r=ranges: ranged_cross_attention(
                 vq, vk, vv, r, scale),
             "prefill cross sdpa": lambda qt=qt: F.scaled_dot_product_attention(
                 qt, kt, vt, scale=scale, enable_gqa=True
             ),
+            # What the back-end's SDPA path runs (zero-filled output, one call per run).
+            "prefill cross sdpa runs": lambda vq=vq, t=t: ref.ranged_cross_attention(
+                vq, vk, vv, [(0, t, 0, CROSS_LEN)], scale),
         }
+        for n in sorted({2, 4, 8, auto} - {1}):
+            cases[f"prefill ranged cross triton/{n} splits"] = (
+                lambda vq=vq, r=ranges, n=n: ranged_cross_attention(vq, vk, vv, r, scale,
+                                                                    num_splits=n))
         flops = 4 * HQ * HEAD_DIM * t * CROSS_LEN
         for name, fn in cases.items():
             ms = triton.testing.do_bench(fn, warmup=10, rep=100, return_mode="median")

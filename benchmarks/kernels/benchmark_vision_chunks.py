@@ -64,6 +64,61 @@ def gelu(m: torch.Tensor, kind: str) -> torch.Tensor:
     return triton_gelu_(m)
 
 
+@triton.jit
+def _ln_shift_kernel(x_ptr, w_ptr, b_ptr, shift_ptr, y_ptr, u_ptr, n_cols, eps,
+                     HAS_SHIFT: tl.constexpr, BLOCK: tl.constexpr):
+    # y = layer_norm(x); u = x + shift (the next GEMM's residual input, bias folded in).
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, BLOCK)
+    m = cols < n_cols
+    x = tl.load(x_ptr + row * n_cols + cols, mask=m, other=0.0)
+    xf = x.to(tl.float32)
+    mean = tl.sum(xf, axis=0) / n_cols
+    diff = tl.where(m, xf - mean, 0.0)
+    rstd = 1.0 / tl.sqrt(tl.sum(diff * diff, axis=0) / n_cols + eps)
+    w = tl.load(w_ptr + cols, mask=m, other=0.0).to(tl.float32)
+    b = tl.load(b_ptr + cols, mask=m, other=0.0).to(tl.float32)
+    tl.store(y_ptr + row * n_cols + cols, (diff * rstd * w + b).to(x.dtype), mask=m)
+    if HAS_SHIFT:
+        sh = tl.load(shift_ptr + cols, mask=m, other=0.0).to(tl.float32)
+        tl.store(u_ptr + row * n_cols + cols, (xf + sh).to(x.dtype), mask=m)
+
+
+def ln_shift(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor,
+             shift: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    y = torch.empty_like(x)
+    u = torch.empty_like(x) if shift is not None else None
+    _ln_shift_kernel[(x.shape[0],)](x, w, b, shift if shift is not None else x, y,
+                                    u if u is not None else y, x.shape[1], EPS,
+                                    HAS_SHIFT=shift is not None, BLOCK=2048, num_warps=8)
+    return y, u
+
+
+def tail_epilogue(p: dict[str, torch.Tensor], attn: torch.Tensor, x: torch.Tensor,
+                  qkv: torch.Tensor) -> torch.Tensor:
+    """The same layer tail with both residual adds in the GEMM epilogues (beta = 1): o_proj
+    adds into x; the norm writes x + fc2's bias, into which fc2 accumulates."""
+    t = torch.addmm(x, attn, p["wo"].t())
+    y2, u = ln_shift(t, p["ln2w"], p["ln2b"], p["b2"])
+    m = torch._C._nn.gelu_(F.linear(y2, p["w1"], p["b1"]))
+    x_next = torch.addmm(u, m, p["w2"].t())
+    y, _ = ln_shift(x_next, p["ln1w"], p["ln1b"], None)
+    torch.matmul(y, p["wqkv"].t(), out=qkv)
+    return x_next
+
+
+def tail_unbiased_o(p: dict[str, torch.Tensor], attn: torch.Tensor, x: torch.Tensor,
+                    qkv: torch.Tensor) -> torch.Tensor:
+    """The encoder's current layer tail (o_proj has no bias in the model)."""
+    h = F.linear(attn, p["wo"])
+    s, y2 = add_layer_norm(x, p["ln2w"], p["ln2b"], EPS, h)
+    m = torch._C._nn.gelu_(F.linear(y2, p["w1"], p["b1"]))
+    f = F.linear(m, p["w2"], p["b2"])
+    s2, y = add_layer_norm(s, p["ln1w"], p["ln1b"], EPS, f)
+    torch.matmul(y, p["wqkv"].t(), out=qkv)
+    return s2
+
+
 def mlp(p: dict[str, torch.Tensor], y: torch.Tensor, f: torch.Tensor, chunks: int,
         kind: str) -> None:
     """f = fc2(gelu(fc1(y))) in ``chunks`` row blocks."""
@@ -104,6 +159,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rows", type=int, default=6432)
     parser.add_argument("--json", default=None)
+    parser.add_argument("--residual-only", action="store_true",
+                        help="only the residual-in-epilogue comparison")
     args = parser.parse_args()
     torch.manual_seed(0)
     rows, dev = args.rows, "cuda"
@@ -113,6 +170,29 @@ def main() -> None:
     x, y = x0.clone(), torch.empty_like(x0)
     qkv = torch.empty(rows, 3 * D, device=dev, dtype=torch.bfloat16)
     results: dict[str, float] = {}
+
+    # Residual adds in the GEMM epilogues against the current tail (chained over the layers).
+    chain = {"current": tail_unbiased_o, "epilogue": tail_epilogue}
+    outs = {}
+    for name, fn in chain.items():
+        outs[name] = fn(layers[0], attn, x0, qkv), qkv.clone()
+
+        def run(fn=fn) -> None:
+            h = x0
+            for p in layers * 2:
+                h = fn(p, attn, h, qkv)
+
+        us = time_graph_us([run], replays=10) / (2 * LAYERS)
+        results[f"residual/{name}"] = us
+        print(f"residual/{name:10s} {us:8.1f} us per layer", flush=True)
+    for i, what in enumerate(("residual out", "qkv")):
+        a, b = outs["current"][i].float(), outs["epilogue"][i].float()
+        print(f"epilogue vs current, {what}: bitwise {(a == b).float().mean().item():.4f}, "
+              f"max |diff| {(a - b).abs().max().item():.3g}, max |ref| "
+              f"{a.abs().max().item():.3g}")
+    if args.residual_only:
+        write_json(args.json, rows, results)
+        return
 
     # The pieces alone, all rows (each chained over the four layers' weights).
     y.copy_(x0)
@@ -161,8 +241,12 @@ def main() -> None:
         results[name] = us
         print(f"{name:24s} {us:8.1f} us per layer; qkv bitwise equal to unchunked: "
               f"{same:.4f}, max |diff| {err:.3g}", flush=True)
-    if args.json:
-        with open(args.json, "w") as f:
+    write_json(args.json, rows, results)
+
+
+def write_json(path: str | None, rows: int, results: dict[str, float]) -> None:
+    if path:
+        with open(path, "w") as f:
             json.dump({"rows": rows, "device": torch.cuda.get_device_name(),
                        "torch": torch.__version__, "us": results}, f, indent=1)
 

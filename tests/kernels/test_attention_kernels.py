@@ -30,7 +30,9 @@ from vllm.attention.ops.triton_decode import (
 from vllm.attention.ops.triton_kv_write import write_kv_cache
 from vllm.attention.ops.triton_prefill import (
     PrefillConfig,
+    default_prefill_config,
     ranged_cross_attention,
+    split_count,
     varlen_causal_attention,
 )
 
@@ -361,8 +363,9 @@ def _cross_runs() -> tuple[int, int, list[tuple[int, int, int, int]]]:
         pytest.param(32, 8, 128, torch.bfloat16, marks=GPU),
     ],
 )
+@pytest.mark.parametrize("num_splits", [1, 3])
 def test_ranged_cross_matches_reference(
-    num_heads: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype
+    num_heads: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype, num_splits: int
 ) -> None:
     num_tokens, num_vision, runs = _cross_runs()
     gen = _gen(11)
@@ -381,12 +384,49 @@ def test_ranged_cross_matches_reference(
         0.3,
         out=out,
         config=PrefillConfig(block_m=16, block_n=16, num_warps=4, num_stages=2),
+        num_splits=num_splits,  # 3: key splits of 16 keys or less, some empty
     )
     expected = ref.ranged_cross_attention(q, k, v, runs, 0.3)
     assert not out.isnan().any()
     torch.testing.assert_close(out, expected, **(FP32_TOL if dtype == torch.float32 else HALF_TOL))
     assert torch.equal(out[:2], torch.zeros_like(out[:2]))  # outside every run
     assert torch.equal(out[30], torch.zeros_like(out[30]))  # empty range
+
+
+def test_split_count() -> None:
+    cfg = PrefillConfig(block_m=128, block_n=64)
+    assert split_count(128, 32, 6404, 132, cfg) == 4  # 32 programs: 4 splits fill 132 SMs
+    assert split_count(200, 32, 6404, 132, cfg) == 2
+    assert split_count(1024, 32, 6404, 132, cfg) == 1  # the grid already fills the GPU
+    assert split_count(16, 32, 300, 132, cfg) == 1  # too few keys to split
+
+
+@GPU
+def test_split_cross_prefill_at_the_ttft_shape() -> None:
+    """128 text tokens over one 4-tile image (6,404 vision tokens), 11B heads, with the split
+    count the back-end picks on this GPU: the reference's result, split or not."""
+    q = _randn(128, 32, 128, gen=_gen(43), dtype=torch.bfloat16)
+    vis_k, vis_v = (_randn(6404, 8, 128, gen=_gen(44), dtype=torch.bfloat16) for _ in "kv")
+    runs = [(0, 1, 0, 0), (1, 128, 0, 6404)]  # the image token sees nothing
+    ranges = torch.tensor([[0, 0]] + [[0, 6404]] * 127, dtype=torch.int32, device=DEVICE)
+    expected = ref.ranged_cross_attention(q, vis_k, vis_v, runs, 0.3)
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    splits = split_count(128, 32, 6404, sms, default_prefill_config(torch.bfloat16))
+    assert splits > 1  # an H200 has 132 SMs: 32 (tile, head) programs leave most idle
+    for n in (1, splits):
+        out = ranged_cross_attention(q, vis_k, vis_v, ranges, 0.3, num_splits=n)
+        torch.testing.assert_close(out.float(), expected.float(), **HALF_TOL)
+        assert torch.equal(out[0], torch.zeros_like(out[0]))
+    md = AttentionMetadata(  # the default (SDPA) back-end takes the split kernel here
+        is_prefill=True, num_seqs=1, num_tokens=128,
+        slot_mapping=torch.full((128,), -1, dtype=torch.int64, device=DEVICE),
+        seq_lens_tensor=torch.tensor([128], dtype=torch.int32, device=DEVICE),
+        max_seq_len=128, block_tables=torch.zeros(1, 1, dtype=torch.int32, device=DEVICE),
+        query_start_loc=torch.tensor([0, 128], dtype=torch.int32, device=DEVICE),
+        seq_lens=[128], cross_kv_ranges=ranges, cross_range_runs=runs[1:])
+    got = TritonBackend().prefill_cross(q, vis_k, vis_v, md, 0.3)
+    assert torch.equal(got, ranged_cross_attention(q, vis_k, vis_v, ranges, 0.3,
+                                                   num_splits=splits))
 
 
 # ----------------------------------------------------------------------------- backend

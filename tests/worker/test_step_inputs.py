@@ -128,3 +128,9 @@ def test_step_images_skip_siblings_and_images_encoded_ahead() -> None:
     vision = batch.assemble_vision(fresh)
     assert torch.equal(vision, torch.cat([fresh[:10], ahead, fresh[10:]]))
     assert step_images(items[2:3] + items[4:], torch.device("cpu")) is None
+    host = step_images(items, torch.device("cpu"), upload=False)  # for the vision graphs
+    assert host is not None and host.pixel_values is None and host.aspect_ratio_ids is None
+    assert host.host_pixels[0] is a.images.pixel_values
+    assert host.host_pixels[1] is c.images.pixel_values and len(host.host_pixels) == 2
+    assert host.host_aspect_ratio_ids == images.aspect_ratio_ids.tolist()
+    assert host.num_tiles == images.num_tiles

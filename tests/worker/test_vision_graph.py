@@ -49,3 +49,24 @@ def test_vision_graphs_equal_eager(model) -> None:
                            for i, n in enumerate(tiles)])
         replayed = graphs.encode(pixels, ar, tiles)
     assert torch.equal(eager, replayed)
+
+
+@pytest.mark.gpu
+def test_encode_from_host_equals_encode(model) -> None:
+    """Images copied from pinned host tensors (two owners, one with two images) straight into
+    the graphs' input buffer: the same output as from a device batch."""
+    from vllm.worker.vision_graph import VisionGraphRunner
+
+    graphs = VisionGraphRunner(model, DEVICE)
+    graphs.capture()
+    images = [_image(s) for s in range(3)]
+    host = [torch.cat([images[0][0], images[1][0]]).bfloat16().pin_memory(),
+            images[2][0].bfloat16().pin_memory()]
+    ar = [int(a) for _, a in images]
+    tiles = [2, 4, 1]
+    with torch.inference_mode():
+        from_device = graphs.encode(torch.cat(host).to(DEVICE),
+                                    torch.tensor(ar, device=DEVICE), tiles)
+        with NoHostSync():
+            from_host = graphs.encode_host(host, ar, tiles)
+    assert torch.equal(from_host, from_device)

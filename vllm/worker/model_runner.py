@@ -284,10 +284,15 @@ class ModelRunner:
                                      req.cross_block_table, write_cross, req.encoded_images))
             if write_cross:
                 req.cross_written = True
-        # The encoder first: the GPU runs it while the host builds the text inputs.
-        images = step_images(items, self.device)
+        # The encoder first: the GPU runs it while the host builds the text inputs. With
+        # vision graphs the pixels go from the (pinned) host tensors into the graph's buffer.
+        graphs = self.vision_graphs
+        images = step_images(items, self.device, upload=graphs is None)
         vision = None
-        if images is not None:
+        if images is not None and graphs is not None:
+            vision = graphs.encode_host(images.host_pixels, images.host_aspect_ratio_ids,
+                                        images.num_tiles)
+        elif images is not None:
             vision = self.encode_images(images.pixel_values, images.aspect_ratio_ids,
                                         images.num_tiles)
         batch = build_prefill_batch(items, lo.block_size, lo.cross_block_size, self.device)

@@ -55,11 +55,15 @@ class PrefillBatch:
 
 @dataclass
 class StepImages:
-    """The images a prefill step encodes, on the device, in the step's vision order."""
+    """The images a prefill step encodes, in the step's vision order: on the host (the
+    owners' own tensors, pinned on CUDA by the input processor) and, when uploaded, on the
+    device."""
 
-    pixel_values: torch.Tensor  # [N, max_tiles, C, S, S]
-    aspect_ratio_ids: torch.Tensor  # [N]
+    pixel_values: torch.Tensor | None  # [N, max_tiles, C, S, S] on the device, if uploaded
+    aspect_ratio_ids: torch.Tensor | None  # [N] on the device, if uploaded
     num_tiles: list[int]
+    host_pixels: list[torch.Tensor]  # per owner [n_i, max_tiles, C, S, S], sum(n_i) = N
+    host_aspect_ratio_ids: list[int]
 
 
 def _image_owners(items: list[PrefillItem]) -> list[PrefillItem]:
@@ -72,11 +76,13 @@ def _image_owners(items: list[PrefillItem]) -> list[PrefillItem]:
     return list(owners.values())
 
 
-def step_images(items: list[PrefillItem], device: torch.device) -> StepImages | None:
-    """Uploads the images to encode in this step: each request's once (``_image_owners``),
-    none that was encoded ahead. The runner calls it before
-    ``build_prefill_batch`` so the encoder starts while the host builds the text inputs;
-    the order is the one ``build_prefill_batch`` gives the vision tokens."""
+def step_images(items: list[PrefillItem], device: torch.device,
+                upload: bool = True) -> StepImages | None:
+    """The images to encode in this step: each request's once (``_image_owners``), none that
+    was encoded ahead. The runner calls it before ``build_prefill_batch`` so the encoder
+    starts while the host builds the text inputs; the order is the one
+    ``build_prefill_batch`` gives the vision tokens. ``upload=False`` leaves them on the host
+    (the vision graphs copy each image straight into their input buffer)."""
     pixels, ar_ids, num_tiles = [], [], []
     for item in _image_owners(items):
         images = item.inputs.images
@@ -86,10 +92,14 @@ def step_images(items: list[PrefillItem], device: torch.device) -> StepImages | 
             num_tiles += images.num_tiles
     if not pixels:
         return None
-    cpu = pixels[0] if len(pixels) == 1 else torch.cat(pixels)
-    # One image (pinned by the input processor) goes straight across.
-    return StepImages(to_device(cpu, cpu.dtype, device),
-                      to_device(torch.cat(ar_ids), torch.int64, device), num_tiles)
+    ar_cpu = torch.cat(ar_ids)
+    images = StepImages(None, None, num_tiles, pixels, [int(a) for a in ar_cpu.tolist()])
+    if upload:
+        cpu = pixels[0] if len(pixels) == 1 else torch.cat(pixels)
+        # One image (pinned by the input processor) goes straight across.
+        images.pixel_values = to_device(cpu, cpu.dtype, device)
+        images.aspect_ratio_ids = to_device(ar_cpu, torch.int64, device)
+    return images
 
 
 def _slots(table: list[int], count: int, page: int) -> torch.Tensor:

@@ -58,6 +58,24 @@ class VisionGraphRunner:
         for i, nt in enumerate(num_tiles):
             self.pixels.copy_(pixel_values[i:i + 1])
             self.aspect_ratio.copy_(aspect_ratio_ids[i:i + 1])
-            self.graphs[nt].replay()
-            outs.append(self.outputs[nt].clone())  # the next replay reuses the buffer
+            outs.append(self._replay(nt))
         return torch.cat(outs) if len(outs) > 1 else outs[0]
+
+    def encode_host(self, host_pixels: list[torch.Tensor], aspect_ratio_ids: list[int],
+                    num_tiles: list[int]) -> torch.Tensor:
+        """``encode`` for images still on the host (``host_pixels``: [n_i, max_tiles, C, S, S]
+        tensors holding the images in order): each image is copied straight into the graph's
+        input buffer, without a device copy of the batch first, and without blocking the host
+        when the tensors are pinned (the input processor pins them on CUDA)."""
+        images = [p[j:j + 1] for p in host_pixels for j in range(p.shape[0])]
+        assert len(images) == len(num_tiles) == len(aspect_ratio_ids)
+        outs = []
+        for img, ar, nt in zip(images, aspect_ratio_ids, num_tiles, strict=True):
+            self.pixels.copy_(img if img.is_pinned() else img.pin_memory(), non_blocking=True)
+            self.aspect_ratio.fill_(ar)  # a kernel argument: no host copy
+            outs.append(self._replay(nt))
+        return torch.cat(outs) if len(outs) > 1 else outs[0]
+
+    def _replay(self, num_tiles: int) -> torch.Tensor:
+        self.graphs[num_tiles].replay()
+        return self.outputs[num_tiles].clone()  # the next replay reuses the buffer

@@ -14,7 +14,12 @@ from vllm.attention.metadata import AttentionMetadata
 from vllm.attention.ops import reference as ref
 from vllm.attention.ops.triton_decode import DecodeConfig, paged_decode_attention
 from vllm.attention.ops.triton_kv_write import rope_and_write_kv_cache, write_kv_cache
-from vllm.attention.ops.triton_prefill import ranged_cross_attention, varlen_causal_attention
+from vllm.attention.ops.triton_prefill import (
+    default_prefill_config,
+    ranged_cross_attention,
+    split_count,
+    varlen_causal_attention,
+)
 from vllm.utils import to_device
 
 
@@ -36,10 +41,12 @@ class TritonBackend:
         self.decode_config = decode_config
         # Prefill kernel: torch SDPA (cuDNN on Hopper) measured faster than our Triton
         # kernels on the H200 (8k causal GQA: 0.92 vs 1.35 ms; 1k x 6404 ranged cross:
-        # 0.19 vs 0.31 ms), so it is the default; "triton" keeps the Triton kernels.
+        # 0.19 vs 0.31 ms), so it is the default; "triton" keeps the Triton kernels. Cross
+        # prefills too small to fill the GPU take the key-split Triton kernel either way.
         if prefill not in ("sdpa", "triton"):
             raise ValueError(f"prefill must be 'sdpa' or 'triton', got {prefill!r}")
         self.prefill = prefill
+        self._num_sms: int | None = None
 
     def write_kv(
         self,
@@ -117,12 +124,25 @@ class TritonBackend:
     ) -> torch.Tensor:
         # query: [T, Hq, D], key/value: [S, Hkv, D] packed vision tokens -> [T, Hq, D]
         assert md.cross_kv_ranges is not None
-        if self.prefill == "sdpa":
+        splits = self._cross_splits(query, key)
+        if self.prefill == "sdpa" and splits == 1:
             assert md.cross_range_runs is not None
             return ref.ranged_cross_attention(query, key, value, md.cross_range_runs, scale)
         if key.shape[0] == 0:  # host shape: no vision token in the step
             return torch.zeros_like(query)
-        return ranged_cross_attention(query, key, value, md.cross_kv_ranges, scale)
+        # Few queries over many vision tokens (one image prompt's text): SDPA and the
+        # unsplit kernel run one program per (query tile, head) and leave most SMs idle; the
+        # key-split kernel fills them (H200, 128 x 6,404: see benchmarks/RESULTS.md).
+        return ranged_cross_attention(query, key, value, md.cross_kv_ranges, scale,
+                                      num_splits=splits)
+
+    def _cross_splits(self, query: torch.Tensor, key: torch.Tensor) -> int:
+        if not query.is_cuda:
+            return 1
+        if self._num_sms is None:
+            self._num_sms = torch.cuda.get_device_properties(query.device).multi_processor_count
+        return split_count(query.shape[0], query.shape[1], key.shape[0], self._num_sms,
+                           default_prefill_config(query.dtype))
 
     def decode_cross(
         self,

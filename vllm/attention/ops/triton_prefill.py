@@ -153,14 +153,22 @@ def _ranged_cross_kernel(
     stride_ot,
     stride_oh,
     stride_rt,
+    part_ptr,
+    stats_ptr,
     GROUP: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    NUM_SPLITS: tl.constexpr,
 ):
-    """Grid (query tiles, query heads) over all packed text tokens of the step."""
+    """Grid (query tiles, query heads, key splits) over all packed text tokens of the step.
+
+    With one split the program writes its normalised tile. With more, split ``j`` takes the
+    ``j``-th of NUM_SPLITS equal BLOCK_N-aligned parts of the tile's key union and writes its
+    unnormalised fp32 accumulator and (max, sum) to the workspace for ``_split_combine_kernel``.
+    """
     tile = tl.program_id(0)
     h = tl.program_id(1)
     kvh = h // GROUP
@@ -184,6 +192,11 @@ def _ranged_cross_kernel(
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+    if NUM_SPLITS > 1:
+        split = tl.program_id(2)
+        part = tl.cdiv(tl.cdiv(tl.maximum(hi - lo, 0), NUM_SPLITS), BLOCK_N) * BLOCK_N
+        lo = lo + split * part
+        hi = tl.minimum(hi, lo + part)
     for n0 in range(lo, hi, BLOCK_N):
         keys = n0 + offs_n
         n_mask = keys < hi
@@ -194,13 +207,64 @@ def _ranged_cross_kernel(
         visible = (keys[None, :] >= lo_q[:, None]) & (keys[None, :] < hi_q[:, None])
         s = tl.where(visible, s, float("-inf"))
         m_i, l_i, acc = online_softmax_update(s, v, m_i, l_i, acc, DOT_PRECISION)
-    # Queries that saw nothing have l = 0 and acc = 0: exact zeros.
-    out = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]
-    tl.store(
-        o_ptr + h * stride_oh + offs_m.to(tl.int64)[:, None] * stride_ot + offs_d[None, :],
-        out.to(o_ptr.dtype.element_ty),
-        mask=m_mask[:, None] & d_mask[None, :],
-    )
+    out_mask = m_mask[:, None] & d_mask[None, :]
+    if NUM_SPLITS > 1:
+        # Workspace [splits, tokens, heads, D] fp32 and [splits, tokens, heads, 2] (max, sum).
+        heads = tl.num_programs(1)
+        row = (tl.program_id(2) * num_tokens + offs_m.to(tl.int64)) * heads + h
+        tl.store(part_ptr + row[:, None] * HEAD_DIM + offs_d[None, :], acc, mask=out_mask)
+        tl.store(stats_ptr + row * 2, m_i, mask=m_mask)
+        tl.store(stats_ptr + row * 2 + 1, l_i, mask=m_mask)
+    else:
+        # Queries that saw nothing have l = 0 and acc = 0: exact zeros.
+        out = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]
+        tl.store(
+            o_ptr + h * stride_oh + offs_m.to(tl.int64)[:, None] * stride_ot + offs_d[None, :],
+            out.to(o_ptr.dtype.element_ty),
+            mask=out_mask,
+        )
+
+
+@triton.jit
+def _split_combine_kernel(
+    part_ptr,
+    stats_ptr,
+    o_ptr,
+    num_tokens,
+    stride_ot,
+    stride_oh,
+    HEAD_DIM: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    NUM_SPLITS: tl.constexpr,
+):
+    """Grid (query tiles, query heads): merges the splits' partial softmax states in a fixed
+    order (split 0 first). Queries no split saw (l = 0 everywhere) get exact zeros."""
+    tile = tl.program_id(0)
+    h = tl.program_id(1)
+    heads = tl.num_programs(1)
+    offs_m = tile * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, BLOCK_D)
+    m_mask = offs_m < num_tokens
+    mask = m_mask[:, None] & (offs_d < HEAD_DIM)[None, :]
+    m_max = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    for j in tl.static_range(NUM_SPLITS):
+        row = (j * num_tokens + offs_m.to(tl.int64)) * heads + h
+        m_max = tl.maximum(m_max, tl.load(stats_ptr + row * 2, mask=m_mask,
+                                          other=float("-inf")))
+    m_use = tl.where(m_max == float("-inf"), 0.0, m_max)
+    l_sum = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
+    for j in tl.static_range(NUM_SPLITS):
+        row = (j * num_tokens + offs_m.to(tl.int64)) * heads + h
+        w = tl.exp2(tl.load(stats_ptr + row * 2, mask=m_mask, other=float("-inf")) - m_use)
+        l_sum += w * tl.load(stats_ptr + row * 2 + 1, mask=m_mask, other=0.0)
+        part = tl.load(part_ptr + row[:, None] * HEAD_DIM + offs_d[None, :], mask=mask,
+                       other=0.0)
+        acc += w[:, None] * part
+    out = acc / tl.where(l_sum > 0.0, l_sum, 1.0)[:, None]
+    tl.store(o_ptr + h * stride_oh + offs_m.to(tl.int64)[:, None] * stride_ot
+             + offs_d[None, :], out.to(o_ptr.dtype.element_ty), mask=mask)
 
 
 def _check_qkv(
@@ -273,11 +337,17 @@ def ranged_cross_attention(
     *,
     out: torch.Tensor | None = None,  # [T, num_heads, head_dim]
     config: PrefillConfig | None = None,  # None: default_prefill_config(query.dtype)
+    num_splits: int = 1,
 ) -> torch.Tensor:
-    """Cross-attention where each query sees one contiguous range of vision tokens."""
+    """Cross-attention where each query sees one contiguous range of vision tokens.
+
+    ``num_splits`` > 1 splits every query tile's keys into that many parts run by separate
+    programs, then merges them (flash-decoding style): for few queries over many vision
+    tokens, where one program per (tile, head) leaves most of the GPU idle
+    (``split_count`` picks it from the grid and the GPU's size)."""
     query, key, value, group = _check_qkv(query, key, value)
     assert kv_ranges.dtype == torch.int32 and kv_ranges.shape == (query.shape[0], 2)
-    assert kv_ranges.stride(-1) == 1
+    assert kv_ranges.stride(-1) == 1 and num_splits >= 1
     cfg = config or default_prefill_config(query.dtype)
     num_tokens, num_heads, head_dim = query.shape
     if out is None:
@@ -285,7 +355,14 @@ def ranged_cross_attention(
     assert out.shape == query.shape and out.stride(-1) == 1
     if num_tokens == 0:
         return out
-    grid = (triton.cdiv(num_tokens, cfg.block_m), num_heads)
+    grid = (triton.cdiv(num_tokens, cfg.block_m), num_heads, num_splits)
+    if num_splits > 1:
+        part = torch.empty(num_splits, num_tokens, num_heads, head_dim,
+                           dtype=torch.float32, device=query.device)
+        stats = torch.empty(num_splits, num_tokens, num_heads, 2,
+                            dtype=torch.float32, device=query.device)
+    else:
+        part = stats = out  # unused
     _ranged_cross_kernel[grid](
         query,
         key,
@@ -303,13 +380,31 @@ def ranged_cross_attention(
         out.stride(0),
         out.stride(1),
         kv_ranges.stride(0),
+        part,
+        stats,
         GROUP=group,
         HEAD_DIM=head_dim,
         BLOCK_M=cfg.block_m,
         BLOCK_N=cfg.block_n,
         BLOCK_D=max(16, triton.next_power_of_2(head_dim)),
         DOT_PRECISION=dot_precision(query.dtype),
+        NUM_SPLITS=num_splits,
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
     )
+    if num_splits > 1:
+        block_m = 16
+        _split_combine_kernel[(triton.cdiv(num_tokens, block_m), num_heads)](
+            part, stats, out, num_tokens, out.stride(0), out.stride(1), HEAD_DIM=head_dim,
+            BLOCK_M=block_m, BLOCK_D=max(16, triton.next_power_of_2(head_dim)),
+            NUM_SPLITS=num_splits, num_warps=4)
     return out
+
+
+def split_count(num_tokens: int, num_heads: int, num_keys: int, num_sms: int,
+                config: PrefillConfig) -> int:
+    """Key splits for ``ranged_cross_attention`` so its grid about fills the GPU once: 1 when
+    the (query tile, head) programs alone fill ``num_sms``; at most one split per 4 key
+    tiles (fewer keys are not worth a workspace round trip)."""
+    base = triton.cdiv(num_tokens, config.block_m) * num_heads
+    return max(1, min(num_sms // base, num_keys // (4 * config.block_n)))
