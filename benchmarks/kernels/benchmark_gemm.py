@@ -23,7 +23,13 @@ from collections.abc import Callable
 import torch
 import triton
 
-from vllm.model_executor.layers.skinny_gemm import GemmConfig, default_config, skinny_gemm
+from vllm.model_executor.layers.fused_kernels import silu_and_mul
+from vllm.model_executor.layers.skinny_gemm import (
+    GemmConfig,
+    default_config,
+    skinny_gemm,
+    skinny_gemm_silu,
+)
 
 SHAPES = {  # name: (N, K)
     "qkv": (6144, 4096), "o_proj": (4096, 4096), "gate_up": (28672, 4096),
@@ -147,6 +153,47 @@ def bench_shape(name: str, n: int, k: int, rows: list[int], copy_gb_s: float, sw
     torch.cuda.empty_cache()
 
 
+def bench_silu(rows: list[int], copy_gb_s: float, sweep: bool, log: list[dict]) -> None:
+    """gate|up GEMM + SiLU-and-multiply: cuBLASLt's GEMM then ``silu_and_mul`` (two kernels,
+    what decode ran before) against the Triton GEMM with the activation in its epilogue."""
+    n2, k = SHAPES["gate_up"]
+    copies = max(1, -(-3 * L2_BYTES // (n2 * k * 2)))
+    weights = [torch.randn(n2, k, device="cuda", dtype=torch.bfloat16) * 0.02
+               for _ in range(copies)]
+    for m in rows:
+        x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+        nbytes = n2 * k * 2 + (m * k + m * n2 // 2) * 2
+        torch.backends.cuda.preferred_blas_library("cublaslt")
+        base = _entry(time_calls(lambda w, x=x: silu_and_mul(torch.nn.functional.linear(x, w)),
+                                 weights), nbytes, copy_gb_s)
+        ref = silu_and_mul(torch.nn.functional.linear(x, weights[0])).float()
+        torch.backends.cuda.preferred_blas_library("cublas")
+        row = {"shape": "gate_up+silu", "m": m, "cublaslt+silu_and_mul": base}
+        configs = sweep_configs(m) if sweep else [default_config(m, n2 // 2, k)]
+        best: tuple[float, GemmConfig] | None = None
+        for c in configs:
+            if k % c.block_k:
+                continue
+            try:
+                us = time_calls(lambda w, c=c, x=x: skinny_gemm_silu(x, w, c), weights)
+            except Exception as exc:  # out of shared memory and the like: skip the config
+                print(f"  skip {c}: {type(exc).__name__}")
+                continue
+            if best is None or us < best[0]:
+                best = (us, c)
+        if best is not None:
+            err = (skinny_gemm_silu(x, weights[0], best[1]).float() - ref).abs().max().item()
+            row["triton_silu_best"] = _entry(best[0], nbytes, copy_gb_s,
+                                             config=dataclasses.asdict(best[1]),
+                                             max_abs_err_vs_base=err)
+        log.append(row)
+        tb = row.get("triton_silu_best")
+        print(f"gate_up+silu m={m:4d}  lt+silu {_fmt(base)}  fused "
+              f"{_fmt(tb) + ' ' + str(tb['config']) if tb else '-'}", flush=True)
+    del weights
+    torch.cuda.empty_cache()
+
+
 def graph_launch_cost(log: list[dict]) -> None:
     """Host microseconds of one CUDAGraph.replay() against the graph's number of kernel nodes."""
     t = torch.zeros(256, device="cuda")
@@ -181,17 +228,23 @@ def main() -> None:
     ap.add_argument("--shapes", default=",".join(SHAPES))
     ap.add_argument("--no-sweep", action="store_true")
     ap.add_argument("--json", default=None)
+    ap.add_argument("--silu", action="store_true",
+                    help="only the gate|up GEMM with and without the fused SiLU epilogue")
     args = ap.parse_args()
     rows = [int(r) for r in args.rows.split(",")]
     copy_gb_s = copy_bandwidth_gb_s()
     print(f"copy bandwidth {copy_gb_s:.0f} GB/s; torch {torch.__version__},"
           f" triton {triton.__version__}")
     gemms: list[dict] = []
-    for name in args.shapes.split(","):
+    if args.silu:
+        bench_silu(rows, copy_gb_s, not args.no_sweep, gemms)
+        args.shapes = ""
+    for name in filter(None, args.shapes.split(",")):
         n, k = SHAPES[name]
         bench_shape(name, n, k, rows, copy_gb_s, not args.no_sweep, gemms)
     launches: list[dict] = []
-    graph_launch_cost(launches)
+    if not args.silu:
+        graph_launch_cost(launches)
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"gpu": torch.cuda.get_device_name(), "torch": torch.__version__,

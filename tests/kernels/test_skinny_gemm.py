@@ -6,13 +6,17 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from vllm.model_executor.layers.fused_kernels import silu_and_mul
 from vllm.model_executor.layers.linear import Linear
 from vllm.model_executor.layers.skinny_gemm import (
     _TUNED,
+    _TUNED_SILU,
     GemmConfig,
     row_bucket,
     skinny_gemm,
+    skinny_gemm_silu,
     tuned_config,
+    tuned_silu_config,
 )
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -77,3 +81,27 @@ def test_linear_out_argument_matches_float_of_result() -> None:
     assert lin(x, out=out) is out
     assert torch.equal(out, lin(x).float())
     torch.testing.assert_close(lin(x), F.linear(x, lin.weight))
+
+
+@pytest.mark.parametrize("m", [1, 5, 16, 21])
+def test_silu_epilogue_equals_gemm_then_silu_and_mul(m: int) -> None:
+    """The gate|up GEMM with SiLU-and-multiply in its epilogue: bitwise the separate GEMM
+    (same config, same accumulation order) followed by ``silu_and_mul``; close to torch."""
+    x, w = _inputs(m, 2 * 80, 512, torch.bfloat16, seed=m + 1)
+    cfg = GemmConfig(16, 32, 128, num_stages=2)
+    y = skinny_gemm_silu(x, w, cfg)
+    assert y.shape == (m, 80) and y.dtype == torch.bfloat16
+    assert torch.equal(y, silu_and_mul(skinny_gemm(x, w, cfg)))
+    ref = F.silu(F.linear(x, w[:80]).float()) * F.linear(x, w[80:]).float()
+    # Gate and up within a bf16 rounding of torch's each, then one more rounding: ~3 ulps.
+    torch.testing.assert_close(y.float(), ref, rtol=2 ** -5, atol=2 ** -7)
+
+
+def test_silu_dispatch_only_for_tuned_cuda_shapes() -> None:
+    w = torch.empty(2 * 14336, 4096, dtype=torch.bfloat16)
+    assert tuned_silu_config(torch.empty(1, 4096, dtype=torch.bfloat16), w) is None  # CPU
+    for (bucket, n2, k), cfg in _TUNED_SILU.items():
+        assert n2 % 2 == 0 and k % cfg.block_k == 0 and cfg.block_m >= min(bucket, 16)
+    with pytest.raises(ValueError, match="input of shape"):
+        skinny_gemm_silu(torch.empty(2, 64, dtype=torch.bfloat16, device=DEVICE),
+                         torch.empty(63, 64, dtype=torch.bfloat16, device=DEVICE))

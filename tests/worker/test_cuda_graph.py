@@ -72,6 +72,7 @@ def test_captured_forward_has_no_host_sync(pair, family: str) -> None:
     graphs = llm.llm_engine.runner.graphs
     rows = [s.row for r in llm.llm_engine.scheduler.running for s in r.seqs]
     graphs.static_rows[:3] = torch.tensor(rows)
+    graphs._uploaded_rows = None  # written behind run()'s back
     with torch.inference_mode(), NoHostSync():
         logits = graphs.forward(4, family)
     assert logits.shape[0] == 4 and torch.isfinite(logits[:3]).all()
@@ -172,3 +173,24 @@ def test_text_family_skips_cross_layers(pair) -> None:
     finally:
         for h in hooks:
             h.remove()
+
+
+def test_rows_uploaded_only_when_they_change(pair, monkeypatch) -> None:
+    """Steady decode keeps its rows: the row buffer is written when they change, not per
+    step, and always holds the padded rows of the last run."""
+    llm = pair[0]
+    _start_decoding(llm, 3)
+    graphs = llm.llm_engine.runner.graphs
+    rows = [s.row for r in llm.llm_engine.scheduler.running for s in r.seqs]
+    uploads = []
+    real_upload = graphs._upload_rows
+    monkeypatch.setattr(graphs, "_upload_rows", lambda r: (uploads.append(r), real_upload(r)))
+    null = graphs.null_row
+    graphs._uploaded_rows = None
+    with torch.inference_mode():
+        for ids in (rows, rows, rows[:2], rows[:2], rows[::-1]):
+            graphs.run(ids, cross=False)
+            padded = ids + [null] * (graphs.bucket_for(len(ids)) - len(ids))
+            assert graphs.static_rows[:len(padded)].tolist() == padded
+    assert uploads == [rows + [null], rows[:2], rows[::-1] + [null]]
+    _finish(llm)

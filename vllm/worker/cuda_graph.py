@@ -48,6 +48,7 @@ class DecodeGraphRunner:
         assert runner.rows is not None
         self.null_row = runner.rows.null_row
         self.device = runner.device
+        self._uploaded_rows: list[int] | None = None  # what static_rows holds, if known
         self.static_rows = torch.full((sizes[-1],), self.null_row, dtype=torch.int64,
                                       device=self.device)
         self.width = runner.max_pages_per_seq
@@ -93,6 +94,7 @@ class DecodeGraphRunner:
         mem0 = torch.cuda.memory_reserved() - self.static_logits.numel() * 4
         pool = torch.cuda.graph_pool_handle()
         self.static_rows.fill_(self.null_row)
+        self._uploaded_rows = None
         for bs in reversed(self.sizes):
             for family in (CROSS, TEXT):
                 for _ in range(2):  # warm-up: kernel compilation and caches outside capture
@@ -108,6 +110,16 @@ class DecodeGraphRunner:
         logger.info("Captured %d decode graphs (text + cross families, buckets %s) in %.1f s "
                     "using %.2f GiB", len(self.graphs), self.sizes, self.capture_time_s,
                     self.graph_memory_bytes / (1 << 30))
+
+    def _upload_rows(self, rows: list[int]) -> None:
+        if self.device.type == "cuda":
+            # One host->device copy straight into the static buffer, from a fresh pinned
+            # tensor (the caching host allocator keeps it until the copy has run).
+            pinned = torch.tensor(rows, dtype=torch.int64, pin_memory=True)
+            self.static_rows[:len(rows)].copy_(pinned, non_blocking=True)
+        else:
+            self.static_rows[:len(rows)].copy_(torch.tensor(rows, dtype=torch.int64))
+        self._uploaded_rows = rows
 
     def bucket_for(self, n: int) -> int:
         i = bisect.bisect_left(self.sizes, n)
@@ -125,13 +137,8 @@ class DecodeGraphRunner:
         bs = self.bucket_for(n)
         family = CROSS if cross else TEXT
         rows = row_ids + [self.null_row] * (bs - n)
-        if self.device.type == "cuda":
-            # One host->device copy straight into the static buffer, from a fresh pinned
-            # tensor (the caching host allocator keeps it until the copy has run).
-            pinned = torch.tensor(rows, dtype=torch.int64, pin_memory=True)
-            self.static_rows[:bs].copy_(pinned, non_blocking=True)
-        else:
-            self.static_rows[:bs].copy_(torch.tensor(rows, dtype=torch.int64))
+        if rows != self._uploaded_rows:  # steady decode keeps its rows: nothing to copy
+            self._upload_rows(rows)
         if self.device.type == "cuda":
             self.graphs[(family, bs)].replay()
             logits = self.static_logits[:bs]

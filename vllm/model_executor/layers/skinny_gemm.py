@@ -28,10 +28,21 @@ _INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 
 
 @triton.jit
+def _dot_acc(acc, x, w, DOT_F32: tl.constexpr):
+    if DOT_F32:  # exact products either way; the interpreter's 16-bit dot is unreliable
+        return acc + tl.dot(x.to(tl.float32), tl.trans(w.to(tl.float32)), input_precision="ieee")
+    return acc + tl.dot(x, tl.trans(w))
+
+
+@triton.jit
 def _skinny_gemm_kernel(x_ptr, w_ptr, y_ptr, M, N, x_stride, w_stride, y_stride,
                         K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                        BLOCK_K: tl.constexpr, DOT_F32: tl.constexpr):
+                        BLOCK_K: tl.constexpr, DOT_F32: tl.constexpr,
+                        SILU_MUL: tl.constexpr = False):
     # Row blocks vary fastest: the programs reading one weight tile run back to back.
+    # SILU_MUL: the weight is gate (rows [0, N)) | up (rows [N, 2N)); a program accumulates
+    # both tiles of its columns and writes silu(gate) * up, each rounded as the separate
+    # GEMM and ``silu_and_mul`` round them.
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -41,19 +52,27 @@ def _skinny_gemm_kernel(x_ptr, w_ptr, y_ptr, M, N, x_stride, w_stride, y_stride,
     col_ok = cols < N
     x_ptrs = x_ptr + rows[:, None] * x_stride + ks[None, :]
     w_ptrs = w_ptr + cols[:, None].to(tl.int64) * w_stride + ks[None, :]
+    u_ptrs = w_ptrs + N * w_stride
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    acc_u = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     # K is a multiple of BLOCK_K (checked by the caller): no K masks in the loop.
     for _ in range(0, K, BLOCK_K):
         x = tl.load(x_ptrs, mask=row_ok[:, None], other=0.0)
         w = tl.load(w_ptrs, mask=col_ok[:, None], other=0.0)
-        if DOT_F32:  # exact products either way; the interpreter's 16-bit dot is unreliable
-            acc += tl.dot(x.to(tl.float32), tl.trans(w.to(tl.float32)), input_precision="ieee")
-        else:
-            acc += tl.dot(x, tl.trans(w))
+        acc = _dot_acc(acc, x, w, DOT_F32)
+        if SILU_MUL:
+            u = tl.load(u_ptrs, mask=col_ok[:, None], other=0.0)
+            acc_u = _dot_acc(acc_u, x, u, DOT_F32)
+            u_ptrs += BLOCK_K
         x_ptrs += BLOCK_K
         w_ptrs += BLOCK_K
     # Rounded to the input dtype first, like the reference (a 16-bit linear, then .float()).
-    y = acc.to(x_ptr.dtype.element_ty).to(y_ptr.dtype.element_ty)
+    dt = x_ptr.dtype.element_ty
+    if SILU_MUL:
+        g = acc.to(dt).to(tl.float32)
+        y = (g / (1.0 + tl.exp(-g)) * acc_u.to(dt).to(tl.float32)).to(y_ptr.dtype.element_ty)
+    else:
+        y = acc.to(dt).to(y_ptr.dtype.element_ty)
     y_ptrs = y_ptr + rows[:, None].to(tl.int64) * y_stride + cols[None, :]
     tl.store(y_ptrs, y, mask=row_ok[:, None] & col_ok[None, :])
 
@@ -105,6 +124,42 @@ def tuned_config(x: torch.Tensor, weight: torch.Tensor) -> GemmConfig | None:
     if not _eligible(x, weight):
         return None
     return _TUNED.get((row_bucket(x.shape[0]), *weight.shape))
+
+
+# Gate|up projections with the SiLU-and-multiply in the epilogue (one launch instead of the
+# GEMM and ``silu_and_mul``), where that measured faster than cuBLASLt's GEMM plus the
+# activation kernel on the H200; keyed like ``_TUNED`` by (row bucket, 2 * intermediate, K).
+_TUNED_SILU: dict[tuple[int, int, int], GemmConfig] = {}
+
+
+def tuned_silu_config(x: torch.Tensor, weight: torch.Tensor) -> GemmConfig | None:
+    """The config of ``skinny_gemm_silu`` for ``x`` and a gate|up weight, or None where the
+    GEMM and the separate activation are faster."""
+    if not _eligible(x, weight):
+        return None
+    return _TUNED_SILU.get((row_bucket(x.shape[0]), *weight.shape))
+
+
+def skinny_gemm_silu(x: torch.Tensor, weight: torch.Tensor,
+                     config: GemmConfig | None = None) -> torch.Tensor:
+    """x: [M, K], weight: [2I, K] (gate | up) -> silu(x @ gate^T) * (x @ up^T), [M, I]: each
+    product rounded to x's dtype before the activation, as ``silu_and_mul(skinny_gemm(..))``
+    computes it (bitwise the same with the same config)."""
+    m = x.shape[0]
+    n2, k = weight.shape
+    if x.shape[1] != k or n2 % 2:
+        raise ValueError(f"input of shape {tuple(x.shape)} for a weight of {tuple(weight.shape)}")
+    n = n2 // 2
+    cfg = config or default_config(m, n, k)
+    if k % cfg.block_k:
+        raise ValueError(f"K={k} is not a multiple of block_k={cfg.block_k}")
+    y = torch.empty((m, n), dtype=x.dtype, device=x.device)
+    grid = (triton.cdiv(m, cfg.block_m), triton.cdiv(n, cfg.block_n))
+    _skinny_gemm_kernel[grid](x, weight, y, m, n, x.stride(0), weight.stride(0), y.stride(0),
+                              K=k, DOT_F32=_INTERPRETED, SILU_MUL=True,
+                              BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
+                              num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    return y
 
 
 def skinny_gemm(x: torch.Tensor, weight: torch.Tensor, config: GemmConfig | None = None,

@@ -32,6 +32,15 @@ class LlamaMLP(nn.Module):
         self.act = SiluAndMul()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.is_cuda:
+            from vllm.model_executor.layers.skinny_gemm import (
+                skinny_gemm_silu,
+                tuned_silu_config,
+            )
+
+            cfg = tuned_silu_config(x, self.gate_up_proj.weight)
+            if cfg is not None:  # decode sizes: the activation in the GEMM's epilogue
+                return self.down_proj(skinny_gemm_silu(x, self.gate_up_proj.weight, cfg))
         return self.down_proj(self.act(self.gate_up_proj(x)))
 
 
