@@ -102,6 +102,41 @@ def test_silu_dispatch_only_for_tuned_cuda_shapes() -> None:
     assert tuned_silu_config(torch.empty(1, 4096, dtype=torch.bfloat16), w) is None  # CPU
     for (bucket, n2, k), cfg in _TUNED_SILU.items():
         assert n2 % 2 == 0 and k % cfg.block_k == 0 and cfg.block_m >= min(bucket, 16)
+    if DEVICE == "cuda":
+        wc = w.cuda()
+        for m, bucket in ((1, 16), (16, 16), (24, 32), (64, 64)):
+            cfg = tuned_silu_config(torch.empty(m, 4096, dtype=torch.bfloat16, device="cuda"), wc)
+            assert cfg == _TUNED_SILU[(bucket, 2 * 14336, 4096)]
+        assert tuned_silu_config(torch.empty(65, 4096, dtype=torch.bfloat16, device="cuda"),
+                                 wc) is None  # prefill sizes: cuBLAS and the activation kernel
     with pytest.raises(ValueError, match="input of shape"):
         skinny_gemm_silu(torch.empty(2, 64, dtype=torch.bfloat16, device=DEVICE),
                          torch.empty(63, 64, dtype=torch.bfloat16, device=DEVICE))
+
+
+@pytest.mark.gpu
+def test_11b_mlp_with_the_fused_epilogue() -> None:
+    """The 11B MLP at decode sizes takes the fused gate|up + SiLU kernel; its output is the
+    unfused MLP's within bf16 rounding, and the same in a CUDA graph as eagerly."""
+    from types import SimpleNamespace
+
+    from vllm.model_executor.models.mllama import LlamaMLP
+
+    mlp = LlamaMLP(SimpleNamespace(hidden_size=4096, intermediate_size=14336)).cuda()
+    g = torch.Generator(device="cuda").manual_seed(3)
+    with torch.no_grad():
+        for p in mlp.parameters():
+            p.copy_(torch.randn(p.shape, generator=g, device="cuda") * 0.02)
+    mlp = mlp.to(torch.bfloat16)
+    for m in (1, 16, 24, 64):
+        x = torch.randn(m, 4096, generator=g, device="cuda").bfloat16()
+        assert tuned_silu_config(x, mlp.gate_up_proj.weight) is not None
+        with torch.no_grad():
+            y = mlp(x)
+            unfused = mlp.down_proj(silu_and_mul(F.linear(x, mlp.gate_up_proj.weight)))
+            torch.testing.assert_close(y.float(), unfused.float(), rtol=2 ** -5, atol=1e-2)
+            graph, static_x = torch.cuda.CUDAGraph(), x.clone()
+            with torch.cuda.graph(graph):
+                static_y = mlp(static_x)
+            graph.replay()
+        assert torch.equal(static_y, y)
