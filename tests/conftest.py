@@ -24,6 +24,14 @@ def _cuda_available() -> bool:
 if not _cuda_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+# Interpreted kernels are bounds-checked: a load or store outside the tensors a kernel was
+# given fails the test (on a GPU it would corrupt memory or fault later, elsewhere).
+if os.environ.get("TRITON_INTERPRET") == "1":
+    from helpers.triton_bounds import install, patch_scalar_index
+
+    install()
+    patch_scalar_index()
+
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     import torch

@@ -10,7 +10,6 @@ and its fp32 -> bf16 cast truncates), so on CPU the half-precision path is check
 from __future__ import annotations
 
 import math
-import os
 
 import pytest
 import torch
@@ -35,29 +34,6 @@ from vllm.attention.ops.triton_prefill import (
     split_count,
     varlen_causal_attention,
 )
-
-
-def _patch_interpreter_for_numpy_2_4() -> None:
-    """Triton 3.6's interpreter turns scalars (1-element arrays) into loop bounds with ``int()``,
-    which numpy >= 2.4 rejects (triton-lang/triton#9171, fixed after 3.6). Run-time loop bounds
-    need it, so patch the one conversion while kernels are interpreted."""
-    if os.environ.get("TRITON_INTERPRET") != "1":
-        return
-    from triton.runtime import interpreter
-
-    if getattr(interpreter, "_index_patched_for_numpy", False):
-        return
-    original = interpreter._patch_lang_tensor
-
-    def patched(tensor, scope) -> None:
-        original(tensor, scope)
-        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
-
-    interpreter._patch_lang_tensor = patched
-    interpreter._index_patched_for_numpy = True
-
-
-_patch_interpreter_for_numpy_2_4()
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 GPU = pytest.mark.gpu
