@@ -1,9 +1,13 @@
-"""The Triton attention back-end inside the engine, against the torch reference back-end.
+"""The engine's Triton kernels at their real call sites, against the torch reference (CPU).
 
 On CPU the kernels run in Triton's interpreter with its bounds checks (``tests/conftest.py``):
-paged KV writes with RoPE, causal and ranged-cross prefill, paged self and cross decode over
-padded graph batches, with interleaved and spread prefills and two images in one prompt. (On
-CUDA the engine always runs this back-end, compared with HF by the model tests.)"""
+an out-of-bounds load or store fails the test. The scenario mixes a text request, an image
+request and a two-image request with interleaved and spread prefills, so paged KV writes with
+RoPE, causal and ranged-cross prefill, and paged self and cross decode over padded graph
+batches all run. The second test also takes every CUDA-only code path of the model (fused
+norms, vision embedding, SiLU, row advance, in-graph argmax, key-split cross prefill with an
+H200's SM count) by making CPU tensors report ``is_cuda``. (On CUDA the engine runs these
+kernels anyway, compared with HF by the model tests.)"""
 
 from __future__ import annotations
 
@@ -16,6 +20,8 @@ from PIL import Image
 from vllm import LLM, SamplingParams
 
 pytest.importorskip("triton")
+pytestmark = pytest.mark.skipif(torch.cuda.is_available(),
+                                reason="the interpreter's checks are CPU-only")
 
 
 def _image(seed: int) -> Image.Image:
@@ -23,51 +29,76 @@ def _image(seed: int) -> Image.Image:
     return Image.fromarray(rng.integers(0, 256, (70, 120, 3), dtype=np.uint8))
 
 
-def _llm(backend: str, monkeypatch) -> LLM:
+PROMPTS = [
+    "A text request",
+    {"prompt": "<|image|><|begin_of_text|>What is it", "multi_modal_data": {"image": _image(0)}},
+    {"prompt": "<|image|><|image|><|begin_of_text|>Two of them",
+     "multi_modal_data": {"image": [_image(1), _image(2)]}},
+]
+
+
+def _run(backend: str, monkeypatch, cuda_paths: bool = False) -> list:
     import vllm.worker.model_runner as model_runner
     from vllm.attention.backends.torch_ref import TorchReferenceBackend
     from vllm.attention.backends.triton_attn import TritonBackend
+    from vllm.attention.ops.triton_prefill import default_prefill_config, split_count
 
     make = {"triton": lambda device: TritonBackend(prefill="triton"),
             "torch": lambda device: TorchReferenceBackend()}[backend]
     monkeypatch.setattr(model_runner, "get_attn_backend", make)
-    return LLM(model="demo/mllama-tiny", max_model_len=256, max_num_seqs=4,
-               limit_mm_per_prompt={"image": 2}, decode_interleave_tokens=256,
-               encoder_layers_per_step=2, prefill_layers_per_step=2,
-               dtype="float32")
+    llm = LLM(model="demo/mllama-tiny", max_model_len=256, max_num_seqs=4, dtype="float32",
+              limit_mm_per_prompt={"image": 2}, decode_interleave_tokens=256,
+              encoder_layers_per_step=2, prefill_layers_per_step=2)
+    engine = llm.llm_engine
+    kind = type(engine.runner.model.language_model.model.layers[0].self_attn.attn.backend)
+    assert kind is {"torch": TorchReferenceBackend, "triton": TritonBackend}[backend]
+    if cuda_paths:
+        monkeypatch.setattr(torch.Tensor, "is_cuda", property(lambda self: True))
+        monkeypatch.setattr(TritonBackend, "_cross_splits", lambda self, q, k: split_count(
+            q.shape[0], q.shape[1], k.shape[0], 132, default_prefill_config(q.dtype)))
+    params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True, logprobs=3)
+    # Staggered arrivals: decode steps run between (and during spread) prefills.
+    engine.add_request("0", PROMPTS[0], params)
+    engine.step()
+    engine.step()
+    engine.add_request("1", PROMPTS[1], params)
+    engine.add_request("2", PROMPTS[2], params)
+    done = {}
+    for _ in range(100):
+        for o in engine.step():
+            if o.finished:
+                done[o.request_id] = o
+        if not engine.has_unfinished_requests():
+            break
+    monkeypatch.undo()
+    assert sorted(done) == ["0", "1", "2"] and all(o.error is None for o in done.values())
+    return vllm_greedy([done[k] for k in ("0", "1", "2")])
 
 
-@pytest.mark.skipif(torch.cuda.is_available(), reason="the interpreter's checks are CPU-only")
-def test_triton_backend_matches_reference_in_the_engine(monkeypatch) -> None:
-    prompts = [
-        "A text request",
-        {"prompt": "<|image|><|begin_of_text|>What is it",
-         "multi_modal_data": {"image": _image(0)}},
-        {"prompt": "<|image|><|image|><|begin_of_text|>Two of them",
-         "multi_modal_data": {"image": [_image(1), _image(2)]}},
-    ]
-    params = SamplingParams(temperature=0, max_tokens=5, ignore_eos=True, logprobs=3)
-    outs = {}
-    for backend in ("torch", "triton"):
-        llm = _llm(backend, monkeypatch)
-        engine = llm.llm_engine
-        kind = type(engine.runner.model.language_model.model.layers[0].self_attn.attn.backend)
-        expected = {"torch": "TorchReferenceBackend", "triton": "TritonBackend"}[backend]
-        assert kind.__name__ == expected
-        # Staggered arrivals: decode steps run between (and during spread) prefills.
-        engine.add_request("0", prompts[0], params)
-        engine.step()
-        engine.step()
-        engine.add_request("1", prompts[1], params)
-        engine.add_request("2", prompts[2], params)
-        done = {}
-        for _ in range(100):
-            for o in engine.step():
-                if o.finished:
-                    done[o.request_id] = o
-            if not engine.has_unfinished_requests():
-                break
-        assert sorted(done) == ["0", "1", "2"] and all(o.error is None for o in done.values())
-        outs[backend] = vllm_greedy([done[k] for k in ("0", "1", "2")])
-        del llm, engine
-    check_logprobs_close(outs["torch"], outs["triton"], "torch_ref", "triton")
+@pytest.fixture(scope="module")
+def reference() -> list:
+    with pytest.MonkeyPatch.context() as mp:
+        return _run("torch", mp)
+
+
+def test_triton_attention_backend_matches_reference(reference, monkeypatch) -> None:
+    check_logprobs_close(reference, _run("triton", monkeypatch), "torch_ref", "triton")
+
+
+def test_cuda_code_paths_match_reference(reference, monkeypatch) -> None:
+    from triton.runtime import interpreter
+
+    launched = set()
+    init = interpreter.GridExecutor._init_args_hst
+
+    def record(self, args, kwargs):
+        launched.add(self.fn.__name__)
+        return init(self, args, kwargs)
+
+    monkeypatch.setattr(interpreter.GridExecutor, "_init_args_hst", record)
+    out = _run("triton", monkeypatch, cuda_paths=True)
+    check_logprobs_close(reference, out, "torch_ref", "cuda paths")
+    assert {"_vision_embed_kernel", "_add_layer_norm_kernel", "_rms_norm_kernel",
+            "_rope_kv_write_kernel", "_silu_and_mul_kernel", "_argmax_tiles_kernel",
+            "_advance_rows_kernel", "_decode_segment_kernel", "_ranged_cross_kernel",
+            "_split_combine_kernel"} <= launched, launched
