@@ -241,3 +241,61 @@ def test_detokenize_logprob_tokens() -> None:
     ids = [*TOKENIZER.encode(f" the 中{EMOJI}", add_special_tokens=False), VOCAB - 1, VOCAB - 2]
     assert detokenize_logprob_tokens(TOKENIZER, ids) == [TOKENIZER.decode([i]) for i in ids]
     assert detokenize_logprob_tokens(TOKENIZER, ids[:1]) == [" the"]
+
+
+def _byte_tokens() -> list[int]:
+    """Ids of the single-byte tokens (the 256 base entries of the byte-level vocabulary)."""
+    table = byte_alphabet()
+    return [TOKENIZER.convert_tokens_to_ids(table[b]) for b in range(256)]
+
+
+@pytest.mark.parametrize("stream", ["continuation bytes", "lead byte then specials"])
+@pytest.mark.parametrize("skip", [True, False])
+def test_invalid_bytes_do_not_grow_the_window(stream: str, skip: bool) -> None:
+    """Streams whose text never ends on a clean boundary (lone UTF-8 continuation bytes; an
+    unfinished character followed only by special tokens): the window is still cut, so each
+    step decodes a bounded number of tokens, and the text equals the full decode."""
+    import random
+
+    rng = random.Random(5)
+    bytes_ = _byte_tokens()
+    specials = [TOKENIZER.convert_tokens_to_ids(t) for t in SPECIAL]
+    if stream == "continuation bytes":
+        ids = [rng.choice(specials) if rng.random() < 0.2 else rng.choice(bytes_[0x80:0xC0])
+               for _ in range(2000)]
+    else:
+        ids = [bytes_[0xE4]] + [rng.choice(specials) for _ in range(2000)]
+    detok = IncrementalDetokenizer(TOKENIZER, [], skip_special_tokens=skip)
+    sizes: list[int] = []
+    decode = detok._decode
+    detok._decode = lambda ids: sizes.append(len(ids)) or decode(ids)  # type: ignore[method-assign]
+    assert feed(detok, ids)[0] == TOKENIZER.decode(ids, skip_special_tokens=skip)
+    assert max(sizes) <= 80  # not ~2,000
+
+
+@settings(max_examples=200, deadline=None, database=None)
+@given(
+    ids=st.lists(st.one_of(st.integers(0, VOCAB - 1), st.sampled_from(_byte_tokens()[0x80:])),
+                 max_size=60),
+    chunks=st.lists(st.integers(1, 4), max_size=10),
+    skip=st.booleans(),
+)
+def test_window_cuts_keep_the_text_exact(ids: list[int], chunks: list[int], skip: bool) -> None:
+    """With cuts tried after every 2 pending tokens, the released text is still always final
+    and the whole equals the full decode (random ids, biased to invalid bytes)."""
+    import vllm.transformers_utils.detokenizer as module
+
+    old = module._MAX_PENDING_TOKENS
+    module._MAX_PENDING_TOKENS = 2
+    try:
+        detok = IncrementalDetokenizer(TOKENIZER, [], skip_special_tokens=skip)
+        streamed, position, sizes = "", 0, list(chunks)
+        while position < len(ids):
+            size = sizes.pop(0) if sizes else 1
+            streamed += detok.add_tokens(ids[position : position + size]).new_text
+            position += size
+            assert TOKENIZER.decode(ids[:position], skip_special_tokens=skip).startswith(streamed)
+        streamed += detok.flush().new_text
+    finally:
+        module._MAX_PENDING_TOKENS = old
+    assert streamed == TOKENIZER.decode(ids, skip_special_tokens=skip)

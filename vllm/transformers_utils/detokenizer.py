@@ -30,6 +30,11 @@ _REPLACEMENT = "\ufffd"
 # Prompt tokens decoded ahead of the output, so the first output tokens are decoded in context
 # (matters for tokenizers whose decoder treats the first token of a string specially).
 _PROMPT_CONTEXT_TOKENS = 5
+# Tokens decoded past the last clean boundary before the window is cut at an exact split point.
+# Valid text reaches a clean boundary within a few tokens; bytes that are not UTF-8 (a broken or
+# random model) can keep the text ending in U+FFFD indefinitely, and each step would decode an
+# ever longer window.
+_MAX_PENDING_TOKENS = 32
 
 
 @dataclass(frozen=True)
@@ -101,6 +106,7 @@ class IncrementalDetokenizer:
         self._read = len(context)
         self._context_len: int | None = None  # len(decode(window[:read])), computed lazily
         self._emitted = 0
+        self._cut_after = _MAX_PENDING_TOKENS  # pending tokens before trying _cut_window
 
     @property
     def output_text(self) -> str:
@@ -144,12 +150,15 @@ class IncrementalDetokenizer:
             return ""
         if self._context_len is None:
             self._context_len = len(self._decode(self._window[: self._read]))
-        fresh = self._decode(self._window)[self._context_len :]
+        full = self._decode(self._window)
+        fresh = full[self._context_len :]
         if fresh.endswith(_REPLACEMENT) and not final:
             # Possibly an incomplete character: everything before the U+FFFD run is final.
             stable = len(fresh.rstrip(_REPLACEMENT))
             new = fresh[self._emitted : stable]
             self._emitted = max(self._emitted, stable)
+            if len(self._window) - self._read > self._cut_after:
+                new += self._cut_window(full)
             return new
         new = fresh[self._emitted :]
         # Clean boundary at the end: the decoded tokens become the next step's context.
@@ -157,7 +166,46 @@ class IncrementalDetokenizer:
         self._read = len(self._window)
         self._context_len = None
         self._emitted = 0
+        self._cut_after = _MAX_PENDING_TOKENS
         return new
+
+    def _cut_window(self, full: str) -> str:
+        """Shortens a window that has gone many tokens without a clean end; returns the
+        characters this makes final that were held (U+FFFD of invalid bytes).
+
+        First, pending tokens that decode to nothing (special tokens being skipped) are
+        dropped if the window still decodes the same. Then the head is cut at a token boundary
+        ``j`` where the text splits exactly (``decode(w[:j]) + decode(w[j:]) == decode(w)``)
+        and the tail decodes to at least 3 characters, hence holds at least 3 bytes: an
+        incomplete UTF-8 character has at most 3, so later tokens can only change the tail's
+        decoding and the head's characters are final. Where neither applies the window stays
+        whole (as it would without this) and the next try waits for as many tokens again."""
+        pending = self._window[self._read :]
+        kept = [t for t in pending if self._decode([t]) != ""]
+        if len(kept) < len(pending) and self._decode(self._window[: self._read] + kept) == full:
+            self._window = self._window[: self._read] + kept
+        released, n, tries = "", len(self._window), 0
+        for j in range(n - 1, self._read, -1):
+            tail = self._decode(self._window[j:])
+            if len(tail) < 3:
+                continue
+            head = self._decode(self._window[:j])
+            if head + tail == full:
+                head_fresh = len(head) - self._context_len
+                if self._emitted < head_fresh:
+                    released = full[self._context_len + self._emitted : len(head)]
+                self._emitted = max(self._emitted - head_fresh, 0)
+                self._window = self._window[j:]
+                self._read = 0
+                self._context_len = 0
+                break
+            tries += 1
+            if tries == 4:
+                break
+        pending_now = len(self._window) - self._read
+        self._cut_after = (_MAX_PENDING_TOKENS if pending_now <= _MAX_PENDING_TOKENS
+                           else pending_now + _MAX_PENDING_TOKENS)
+        return released
 
     def _emit(self, new: str, check_stop: bool) -> DetokenizeResult:
         if not new:
