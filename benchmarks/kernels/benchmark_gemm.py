@@ -88,6 +88,24 @@ def sweep_configs(m: int) -> list[GemmConfig]:
     return out
 
 
+def fastest_config(configs: list[GemmConfig], k: int,
+                   run: Callable[[torch.Tensor, GemmConfig], object],
+                   weights: list[torch.Tensor]) -> tuple[float, GemmConfig] | None:
+    """(us, config) of the fastest config that divides K and launches, or None."""
+    best: tuple[float, GemmConfig] | None = None
+    for c in configs:
+        if k % c.block_k:
+            continue
+        try:
+            us = time_calls(lambda w, c=c: run(w, c), weights)
+        except Exception as exc:  # out of shared memory and the like: skip the config
+            print(f"  skip {c}: {type(exc).__name__}")
+            continue
+        if best is None or us < best[0]:
+            best = (us, c)
+    return best
+
+
 def _entry(us: float, nbytes: int, copy_gb_s: float, **extra: object) -> dict:
     pct = 100.0 * nbytes / (us * 1e-6) / 1e9 / copy_gb_s
     return {"us": round(us, 2), "pct_copy": round(pct, 1), **extra}
@@ -118,17 +136,7 @@ def bench_row(x: torch.Tensor, weights: list[torch.Tensor], copy_gb_s: float,
                                    max_abs_err=err)
     if not sweep:
         return row
-    best: tuple[float, GemmConfig] | None = None
-    for c in sweep_configs(m):
-        if k % c.block_k:
-            continue
-        try:
-            us = time_calls(lambda w, c=c: skinny_gemm(x, w, c), weights)
-        except Exception as exc:  # out of shared memory and the like: skip the config
-            print(f"  skip {c}: {type(exc).__name__}")
-            continue
-        if best is None or us < best[0]:
-            best = (us, c)
+    best = fastest_config(sweep_configs(m), k, lambda w, c: skinny_gemm(x, w, c), weights)
     if best is not None:
         row["triton_best"] = _entry(best[0], nbytes, copy_gb_s,
                                     config=dataclasses.asdict(best[1]))
@@ -170,17 +178,7 @@ def bench_silu(rows: list[int], copy_gb_s: float, sweep: bool, log: list[dict]) 
         torch.backends.cuda.preferred_blas_library("cublas")
         row = {"shape": "gate_up+silu", "m": m, "cublaslt+silu_and_mul": base}
         configs = sweep_configs(m) if sweep else [default_config(m, n2 // 2, k)]
-        best: tuple[float, GemmConfig] | None = None
-        for c in configs:
-            if k % c.block_k:
-                continue
-            try:
-                us = time_calls(lambda w, c=c, x=x: skinny_gemm_silu(x, w, c), weights)
-            except Exception as exc:  # out of shared memory and the like: skip the config
-                print(f"  skip {c}: {type(exc).__name__}")
-                continue
-            if best is None or us < best[0]:
-                best = (us, c)
+        best = fastest_config(configs, k, lambda w, c, x=x: skinny_gemm_silu(x, w, c), weights)
         if best is not None:
             err = (skinny_gemm_silu(x, weights[0], best[1]).float() - ref).abs().max().item()
             row["triton_silu_best"] = _entry(best[0], nbytes, copy_gb_s,

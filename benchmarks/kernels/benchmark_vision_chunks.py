@@ -23,7 +23,7 @@ import triton
 import triton.language as tl
 from benchmark_attention import time_graph_us
 
-from vllm.model_executor.layers.fused_kernels import add_layer_norm
+from vllm.model_executor.layers.fused_kernels import _layer_norm_row, add_layer_norm
 
 D, INTER, EPS, LAYERS = 1280, 5120, 1e-5, 4
 
@@ -73,12 +73,8 @@ def _ln_shift_kernel(x_ptr, w_ptr, b_ptr, shift_ptr, y_ptr, u_ptr, n_cols, eps,
     m = cols < n_cols
     x = tl.load(x_ptr + row * n_cols + cols, mask=m, other=0.0)
     xf = x.to(tl.float32)
-    mean = tl.sum(xf, axis=0) / n_cols
-    diff = tl.where(m, xf - mean, 0.0)
-    rstd = 1.0 / tl.sqrt(tl.sum(diff * diff, axis=0) / n_cols + eps)
-    w = tl.load(w_ptr + cols, mask=m, other=0.0).to(tl.float32)
-    b = tl.load(b_ptr + cols, mask=m, other=0.0).to(tl.float32)
-    tl.store(y_ptr + row * n_cols + cols, (diff * rstd * w + b).to(x.dtype), mask=m)
+    y = _layer_norm_row(xf, m, n_cols, w_ptr, b_ptr, cols, eps)
+    tl.store(y_ptr + row * n_cols + cols, y.to(x.dtype), mask=m)
     if HAS_SHIFT:
         sh = tl.load(shift_ptr + cols, mask=m, other=0.0).to(tl.float32)
         tl.store(u_ptr + row * n_cols + cols, (xf + sh).to(x.dtype), mask=m)

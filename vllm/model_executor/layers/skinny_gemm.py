@@ -152,21 +152,9 @@ def skinny_gemm_silu(x: torch.Tensor, weight: torch.Tensor,
     """x: [M, K], weight: [2I, K] (gate | up) -> silu(x @ gate^T) * (x @ up^T), [M, I]: each
     product rounded to x's dtype before the activation, as ``silu_and_mul(skinny_gemm(..))``
     computes it (bitwise the same with the same config)."""
-    m = x.shape[0]
-    n2, k = weight.shape
-    if x.shape[1] != k or n2 % 2:
+    if weight.shape[0] % 2:
         raise ValueError(f"input of shape {tuple(x.shape)} for a weight of {tuple(weight.shape)}")
-    n = n2 // 2
-    cfg = config or default_config(m, n, k)
-    if k % cfg.block_k:
-        raise ValueError(f"K={k} is not a multiple of block_k={cfg.block_k}")
-    y = torch.empty((m, n), dtype=x.dtype, device=x.device)
-    grid = (triton.cdiv(m, cfg.block_m), triton.cdiv(n, cfg.block_n))
-    _skinny_gemm_kernel[grid](x, weight, y, m, n, x.stride(0), weight.stride(0), y.stride(0),
-                              K=k, DOT_F32=_INTERPRETED, SILU_MUL=True,
-                              BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
-                              num_warps=cfg.num_warps, num_stages=cfg.num_stages)
-    return y
+    return _launch(x, weight, weight.shape[0] // 2, config, None, silu_mul=True)
 
 
 def skinny_gemm(x: torch.Tensor, weight: torch.Tensor, config: GemmConfig | None = None,
@@ -174,8 +162,14 @@ def skinny_gemm(x: torch.Tensor, weight: torch.Tensor, config: GemmConfig | None
     """x: [M, K], weight: [N, K] -> [M, N] (x @ weight^T, float32 accumulation, rounded to
     x's dtype). ``out`` ([M, N], unit column stride) may be float32: the rounded values are
     widened, as ``linear(x, w).float()`` would give."""
+    return _launch(x, weight, weight.shape[0], config, out, silu_mul=False)
+
+
+def _launch(x: torch.Tensor, weight: torch.Tensor, n: int, config: GemmConfig | None,
+            out: torch.Tensor | None, silu_mul: bool) -> torch.Tensor:
+    """Checks the shapes and runs the kernel for an [M, n] output."""
     m = x.shape[0]
-    n, k = weight.shape
+    k = weight.shape[1]
     if x.shape[1] != k:
         raise ValueError(f"input of shape {tuple(x.shape)} for a weight of {tuple(weight.shape)}")
     cfg = config or default_config(m, n, k)
@@ -185,7 +179,7 @@ def skinny_gemm(x: torch.Tensor, weight: torch.Tensor, config: GemmConfig | None
     assert y.shape == (m, n) and y.stride(1) == 1
     grid = (triton.cdiv(m, cfg.block_m), triton.cdiv(n, cfg.block_n))
     _skinny_gemm_kernel[grid](x, weight, y, m, n, x.stride(0), weight.stride(0), y.stride(0),
-                              K=k, DOT_F32=_INTERPRETED,
+                              K=k, DOT_F32=_INTERPRETED, SILU_MUL=silu_mul,
                               BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
                               num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     return y
