@@ -96,6 +96,18 @@ def time_decode(llm: LLM, steps: int) -> tuple[float, float]:
     return (t1 - t0) / steps * 1e3, (t_end - t_idle) / (steps + 2) * 1e3
 
 
+def host_per_step(llm: LLM, steps: int) -> tuple[float, float]:
+    """(mean, median) host ms launching a step over ``steps`` steady steps (the runner's
+    ``host_time_s``: inputs, graph launch, sampling set-up, result copy)."""
+    engine, stats = llm.llm_engine, llm.llm_engine.runner.stats
+    xs = []
+    for _ in range(steps):
+        before = stats.host_time_s
+        engine.step()
+        xs.append(stats.host_time_s - before)
+    return float(np.mean(xs)) * 1e3, float(np.median(xs)) * 1e3
+
+
 def replay_ms(llm: LLM, cross: bool, bs: int, iters: int = 20) -> float:
     """GPU time of the decode graph alone (replays on the current rows). A replay also
     advances the rows (greedy tokens, positions), so their state is restored afterwards."""
@@ -117,7 +129,8 @@ def replay_ms(llm: LLM, cross: bool, bs: int, iters: int = 20) -> float:
     return start.elapsed_time(end) / iters
 
 
-def decode_grid(llm: LLM, batches: list[int], steps: int, weights: dict) -> list[dict]:
+def decode_grid(llm: LLM, batches: list[int], steps: int, weights: dict,
+                host_steps: int = 100) -> list[dict]:
     engine = llm.llm_engine
     runner = engine.runner
     params = SamplingParams(temperature=0, max_tokens=10_000, ignore_eos=True)
@@ -131,9 +144,8 @@ def decode_grid(llm: LLM, batches: list[int], steps: int, weights: dict) -> list
             while engine.scheduler.waiting:
                 engine.step()
             cross = mix != "text"
-            host0, steps0 = runner.stats.host_time_s, runner.stats.steps
             graph_ms, graph_idle_ms = time_decode(llm, steps)
-            host_ms = (runner.stats.host_time_s - host0) / (runner.stats.steps - steps0) * 1e3
+            host_ms, host_median_ms = host_per_step(llm, host_steps)
             gpu_ms = replay_ms(llm, cross, bs)
             kv = kv_bytes_per_step(llm)
             saved, runner.graphs = runner.graphs, None
@@ -146,13 +158,15 @@ def decode_grid(llm: LLM, batches: list[int], steps: int, weights: dict) -> list
             wbytes = weights["cross" if cross else "text"]
             rows.append({"mix": mix, "batch": bs, "graph_ms": graph_ms,
                          "graph_ms_from_idle": graph_idle_ms, "gpu_ms": gpu_ms,
-                         "eager_ms": eager_ms, "host_ms_per_step": host_ms, "kv_bytes": kv,
+                         "eager_ms": eager_ms, "host_ms_per_step": host_ms,
+                         "host_ms_median": host_median_ms, "kv_bytes": kv,
                          "weight_bytes": wbytes,
                          "achieved_tb_s": (wbytes + kv) / (graph_ms / 1e3) / 1e12,
                          "tokens_per_s": bs / (graph_ms / 1e3)})
             print(f"decode {mix:6s} bs={bs:4d}: graph {graph_ms:7.2f} ms (from idle "
                   f"{graph_idle_ms:6.2f}, gpu {gpu_ms:6.2f}), "
-                  f"eager {eager_ms:7.2f} ms, host {host_ms:.3f} ms", flush=True)
+                  f"eager {eager_ms:7.2f} ms, host {host_ms:.3f} ms (median "
+                  f"{host_median_ms:.3f})", flush=True)
     return rows
 
 
@@ -191,6 +205,8 @@ def main() -> None:
     ap.add_argument("--out", default="benchmarks/results")
     ap.add_argument("--batches", default="1,8,32,64,128")
     ap.add_argument("--steps", type=int, default=16)
+    ap.add_argument("--host-steps", type=int, default=100,
+                    help="steady steps over which host time per step is measured")
     ap.add_argument("--skip-hf", action="store_true")
     ap.add_argument("--smoke", action="store_true",
                     help="CPU check of the script itself on the tiny model (no timings)")
@@ -228,7 +244,7 @@ def main() -> None:
     with torch.inference_mode():
         report["ttft"]["floor"] = ttft_floor(model, report["copy_tb_s"])
     report["ttft"]["over_floor"] = report["ttft"]["ttft_ms"] / report["ttft"]["floor"]["floor_ms"]
-    report["decode"] = decode_grid(llm, batches, args.steps, weights)
+    report["decode"] = decode_grid(llm, batches, args.steps, weights, args.host_steps)
     stats = runner.stats
     replays = sum(stats.graph_replays.values())
     fallbacks = stats.eager_decode_steps - stats.deliberate_eager
@@ -261,7 +277,8 @@ def smoke(args: argparse.Namespace) -> None:
     report = {"copy_tb_s": 1.0, "floor": {"cross": {"ms": 1.0}, "text": {"ms": 1.0}},
               "ttft": ttft_breakdown(llm, iters=1), "startup_s": 0, "capture_s": 0,
               "graph_memory_gib": 0, "kv_pages": 0, "capacity_4tile_2k": 0,
-              "decode": decode_grid(llm, [1, 2, 4], 2, weights), "graph_replay_fraction": 1.0}
+              "decode": decode_grid(llm, [1, 2, 4], 2, weights, 2),
+              "graph_replay_fraction": 1.0}
     with torch.inference_mode():
         report["ttft"]["floor"] = ttft_floor(llm.llm_engine.runner.model, 1.0)
     report["ttft"]["over_floor"] = report["ttft"]["ttft_ms"] / report["ttft"]["floor"]["floor_ms"]
@@ -286,12 +303,14 @@ def write_summary(report: dict, out: Path) -> None:
         "copy_tb_s": report["copy_tb_s"],
     }
     (out / "summary.json").write_text(json.dumps(summary, indent=1))
-    print("\n| mix | bs | graph ms | from idle | gpu ms | eager ms | host ms | tok/s | TB/s |")
+    print("\n| mix | bs | graph ms | from idle | gpu ms | eager ms | host ms (median) | tok/s "
+          "| TB/s |")
     print("|---|---|---|---|---|---|---|---|---|")
     for r in report["decode"]:
         print(f"| {r['mix']} | {r['batch']} | {r['graph_ms']:.2f} | "
               f"{r['graph_ms_from_idle']:.2f} | {r['gpu_ms']:.2f} | "
-              f"{r['eager_ms']:.2f} | {r['host_ms_per_step']:.3f} | {r['tokens_per_s']:.0f} | "
+              f"{r['eager_ms']:.2f} | {r['host_ms_per_step']:.3f} ({r['host_ms_median']:.3f}) | "
+              f"{r['tokens_per_s']:.0f} | "
               f"{r['achieved_tb_s']:.2f} |")
     print(json.dumps(summary, indent=1))
     print(json.dumps({k: report.get(k) for k in ("startup_s", "capture_s", "vision_capture_s",

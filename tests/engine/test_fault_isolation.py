@@ -16,9 +16,9 @@ def llm() -> LLM:
     return LLM(model="demo/mllama-tiny", max_model_len=256, max_num_seqs=8)
 
 
-def _params(marked: bool = False) -> SamplingParams:
+def _params(marked: bool = False, penalty: float = 1.0) -> SamplingParams:
     return SamplingParams(temperature=0 if not marked else 0.5, seed=MARK if marked else None,
-                          max_tokens=10, ignore_eos=True)
+                          max_tokens=10, ignore_eos=True, repetition_penalty=penalty)
 
 
 PROMPTS = ["First prompt here", "Second, the faulty one", "Third prompt here"]
@@ -36,7 +36,10 @@ def test_sampling_failure_fails_one_request(llm: LLM, monkeypatch, fail_after: i
         return original(cls, rows, vocab_size, device)
 
     monkeypatch.setattr(sampler_mod.SamplingMetadata, "build", classmethod(build))
-    outs = llm.generate(PROMPTS, [_params(), _params(marked=True), _params()], use_tqdm=False)
+    # Sampling inputs that depend on the outputs (here a penalty) are rebuilt every step, so
+    # that is where a failure can start mid-decode; others are built once per batch.
+    marked = _params(marked=True, penalty=1.2 if fail_after else 1.0)
+    outs = llm.generate(PROMPTS, [_params(), marked, _params()], use_tqdm=False)
     assert isinstance(outs[1].error, ValueError) and outs[1].finished
     for i in (0, 2):
         assert outs[i].error is None

@@ -100,5 +100,5 @@ def test_cuda_code_paths_match_reference(reference, monkeypatch) -> None:
     check_logprobs_close(reference, out, "torch_ref", "cuda paths")
     assert {"_vision_embed_kernel", "_add_layer_norm_kernel", "_rms_norm_kernel",
             "_rope_kv_write_kernel", "_silu_and_mul_kernel", "_argmax_tiles_kernel",
-            "_advance_rows_kernel", "_decode_segment_kernel", "_ranged_cross_kernel",
-            "_split_combine_kernel"} <= launched, launched
+            "_advance_rows_kernel", "_gather_rows_kernel", "_decode_segment_kernel",
+            "_ranged_cross_kernel", "_split_combine_kernel"} <= launched, launched

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -82,8 +84,39 @@ def test_decode_rows_gather_and_advance() -> None:
     x = rows.gather(idx, width=3, cross_width=2)
     assert x.input_ids.tolist()[:2] == [7, 8] and x.positions.tolist()[:2] == [7, 4]
     assert x.slot_mapping.tolist()[:2] == [27, 44]
+    rows.set_pages([(a, 2, 13), (b, 2, 14), (a, 0, 15)])  # several rows and pages at once
+    assert rows.block_tables[[a, b]].tolist() == [[15, 6, 13], [9, 11, 14]]
     rows.release(a)
     assert rows.gather(torch.tensor([a]), 3, 2).seq_lens.tolist() == [0]
+
+
+@pytest.mark.parametrize("widths", [(300, 5), (7, 1), (1, 300)])
+def test_gather_kernel_equals_torch_gather(widths: tuple[int, int]) -> None:
+    """The one-kernel gather the decode graphs run on CUDA (here in Triton's interpreter on
+    CPU) returns exactly the torch gather's tensors: padding and repeated null rows, positions
+    on page boundaries, tables cut to widths below and above one kernel block (256)."""
+    from vllm.worker.row_advance import gather_rows
+
+    width, cross_width = widths
+    g = torch.Generator().manual_seed(0)
+    rows = DecodeRows(max_rows=6, max_pages=300, max_cross_pages=300, block_size=16,
+                      device=torch.device("cpu"))
+    for position in (0, 15, 16 % (16 * width), 16 * width - 1):  # all within the width
+        r = rows.acquire()
+        pages = torch.randint(1, 10_000, (position // 16 + 1,), generator=g).tolist()
+        num_cross = int(torch.randint(0, 300, (1,), generator=g))
+        cross = torch.randint(1, 10_000, (num_cross,), generator=g).tolist()
+        rows.load(r, pages, cross, 17 * r, position=position)
+    rows.tokens.copy_(torch.randint(0, 50_000, rows.tokens.shape, generator=g))
+    idx = torch.tensor([3, rows.null_row, 0, 2, rows.null_row, 1])
+    want = rows.gather(idx, width, cross_width)  # the torch code (CPU tensors)
+    dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    got = gather_rows(idx.to(dev), rows.tokens.to(dev), rows.positions.to(dev),
+                      rows.block_tables.to(dev), rows.encoder_lens.to(dev),
+                      rows.cross_tables.to(dev), rows.block_size, width, cross_width)
+    for f, o in zip(dataclasses.fields(want), got, strict=True):
+        w = getattr(want, f.name)
+        assert o.dtype == w.dtype and torch.equal(o.cpu(), w), f.name
 
 
 @pytest.mark.parametrize("kernel", [False, True])

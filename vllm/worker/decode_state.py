@@ -78,11 +78,23 @@ class DecodeRows:
         """(row, page index, page) writes for pages appended this step."""
         if not updates:
             return
-        u = to_device(updates, torch.int64, self.device)
-        self.block_tables[u[:, 0], u[:, 1]] = u[:, 2].to(torch.int32)
+        # One upload (flat table indices, then pages) and one index_copy_.
+        width = self.block_tables.stride(0)
+        k = len(updates)
+        u = to_device([r * width + i for r, i, _ in updates] + [p for _, _, p in updates],
+                      torch.int64, self.device)
+        self.block_tables.view(-1).index_copy_(0, u[:k], u[k:].to(torch.int32))
 
     def gather(self, rows: torch.Tensor, width: int, cross_width: int) -> DecodeInputs:
-        """Inputs of the rows (device index tensor), with page tables cut to the widths."""
+        """Inputs of the rows (device index tensor), with page tables cut to the widths.
+        On CUDA one kernel (``row_advance.gather_rows``) does what the torch code below does."""
+        if rows.is_cuda:
+            from vllm.worker.row_advance import gather_rows
+
+            return DecodeInputs(*gather_rows(rows, self.tokens, self.positions,
+                                             self.block_tables, self.encoder_lens,
+                                             self.cross_tables, self.block_size, width,
+                                             cross_width))
         positions = self.positions[rows]
         tables = self.block_tables[rows, :width]
         valid = positions >= 0

@@ -113,6 +113,14 @@ class EncoderJob:
     output: torch.Tensor | None = None  # projected vision tokens once finished
 
 
+def _step_invariant(seq: Sequence) -> bool:
+    """Whether the sequence's sampling inputs no longer depend on its outputs."""
+    p = seq.request.params
+    return (p.repetition_penalty == 1.0 and p.frequency_penalty == 0.0
+            and p.presence_penalty == 0.0
+            and (not p.min_tokens or seq.num_output_tokens >= p.min_tokens))
+
+
 def decode_metadata(inputs: DecodeInputs, max_seq_len: int,
                     max_encoder_seq_len: int) -> AttentionMetadata:
     """Decode-step metadata from gathered rows (host maxima given by the caller)."""
@@ -149,6 +157,16 @@ class ModelRunner:
         ring = config.scheduler_config.max_num_seqs if self.device.type == "cuda" else 0
         self._sampled_ring = [torch.empty(ring, dtype=torch.int64, pin_memory=ring > 0)
                               for _ in range(3)]
+        # One event per ring slot, recorded again when the slot is reused (after collect).
+        self._ring_events = ([torch.cuda.Event() for _ in self._sampled_ring]
+                             if ring else [])
+        self._ring_views: dict[tuple[int, int], torch.Tensor] = {}
+        self._stream: torch.cuda.Stream | None = None
+        self._device_index = (self.device.index if self.device.index is not None
+                              else torch.cuda.current_device()) if ring else -1
+        # The last decode batch's sequences and sampling inputs, while they cannot change
+        # from step to step (see _decode_sampling).
+        self._steady_sampling: tuple[list[Sequence], SamplingMetadata] | None = None
         if self.device.type == "cuda" and not mc.enforce_eager:
             self._capture_vision()
 
@@ -240,6 +258,18 @@ class ModelRunner:
     def check_sampling(self, seqs: list[Sequence]) -> None:
         """Builds the sampling inputs of some sequences alone (raises what a step would)."""
         self._sampling_rows(seqs)
+
+    def _decode_sampling(self, seqs: list[Sequence]) -> SamplingMetadata:
+        """The decode step's sampling inputs. They change from step to step only through the
+        outputs so far (penalties, min_tokens); without those, a batch of the same sequences
+        as the last step reuses that step's (read-only) inputs instead of rebuilding them."""
+        steady = self._steady_sampling
+        if (steady is not None and len(steady[0]) == len(seqs)
+                and all(a is b for a, b in zip(steady[0], seqs, strict=True))):
+            return steady[1]
+        md = self._sampling_rows(seqs)
+        self._steady_sampling = (list(seqs), md) if all(map(_step_invariant, seqs)) else None
+        return md
 
     def _sampling_rows(self, seqs: list[Sequence]) -> SamplingMetadata:
         rows = []
@@ -364,7 +394,7 @@ class ModelRunner:
         row_ids = [s.row for s in seqs]
         # Sampling inputs first: what a request can make fail fails before the graph
         # advances the rows, so a failed step leaves them as they were (and runs again).
-        sampling = self._sampling_rows(seqs)
+        sampling = self._decode_sampling(seqs)
         greedy = None
         if self.graphs is not None:
             logits, rows_t, greedy = self.graphs.run(row_ids, cross=max_enc > 0)
@@ -412,23 +442,39 @@ class ModelRunner:
             buf = torch.empty(t[:n].shape, dtype=t.dtype, pin_memory=pin)
             return buf.copy_(t[:n], non_blocking=True)
 
+        ids = out.sampled_token_ids
+        if ids.shape[0] != n:
+            ids = ids[:n]
+        event = None
         if pin and n <= self._sampled_ring[0].shape[0]:
-            # Sampled ids go to a ring of pinned buffers (no allocation per step): a buffer
-            # is reused three launches later, after its step has been collected.
-            buf = self._sampled_ring[self.stats.steps % len(self._sampled_ring)][:n]
-            sampled = buf.copy_(out.sampled_token_ids[:n], non_blocking=True)
+            # Sampled ids go to a ring of pinned buffers and events (nothing allocated per
+            # step): a slot is reused three launches later, after its step has been collected.
+            slot = self.stats.steps % len(self._sampled_ring)
+            buf = self._ring_views.get((slot, n))
+            if buf is None:
+                buf = self._ring_views[(slot, n)] = self._sampled_ring[slot][:n]
+            sampled = buf.copy_(ids, non_blocking=True)
+            event = self._ring_events[slot]
         else:
-            sampled = to_host(out.sampled_token_ids)
+            sampled = to_host(ids)
         logprobs = None
         if out.logprobs is not None:
             assert out.logprob_token_ids is not None and out.sampled_ranks is not None
             logprobs = (to_host(out.logprobs), to_host(out.logprob_token_ids),
                         to_host(out.sampled_ranks))
-        event = None
         if pin:
-            event = torch.cuda.Event()
-            event.record()
+            event = event or torch.cuda.Event()
+            event.record(self._current_stream())
         return StepHandle(result, sampled, logprobs, event)
+
+    def _current_stream(self) -> torch.cuda.Stream:
+        """``torch.cuda.current_stream()``, cached while the raw stream stays the same (the
+        public call builds a new Python object each time: host time on every step)."""
+        index = self._device_index
+        raw = torch._C._cuda_getCurrentRawStream(index)
+        if self._stream is None or self._stream.cuda_stream != raw:
+            self._stream = torch.cuda.current_stream(index)
+        return self._stream
 
     def collect(self, handle: StepHandle) -> StepOutput:
         """Waits for a launched step and returns its host results."""

@@ -203,7 +203,8 @@ class Sampler(nn.Module):
         graphs do it); used only when no logit edit applies."""
         assert logits.dim() == 2 and logits.shape[0] == len(metadata.rows), logits.shape
         assert logits.shape[1] == metadata.vocab_size, (logits.shape, metadata.vocab_size)
-        logits = logits.to(torch.float32)
+        if logits.dtype != torch.float32:
+            logits = logits.to(torch.float32)
         if metadata.any_logit_edits:
             logits = self._edit_logits(logits, metadata)
 
