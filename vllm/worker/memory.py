@@ -30,18 +30,23 @@ def pages_per_seq(config: VllmConfig, layout: PageLayout) -> int:
 
 
 def _profile_inputs(runner) -> list[ProcessedInputs]:
-    """Synthetic prompts filling the step budgets: tokens and images at their maxima."""
+    """Synthetic prompts filling the step budgets: tokens and images at their maxima, no
+    prompt longer than ``max_model_len`` (as in any real step: positions past it would index
+    past the RoPE tables)."""
     cfg = runner.config
     spec = cfg.model_config.spec
     v = spec.vision
-    n_images = cfg.scheduler_config.max_num_encoder_tiles // v.max_num_tiles
-    n_seqs = max(1, min(n_images, cfg.scheduler_config.max_num_seqs))
-    tokens = cfg.scheduler_config.max_num_batched_tokens // n_seqs
+    sc = cfg.scheduler_config
+    max_len = cfg.model_config.max_model_len
+    n_images = sc.max_num_encoder_tiles // v.max_num_tiles
+    n_seqs = max(1, min(max(n_images, -(-sc.max_num_batched_tokens // max_len)),
+                        sc.max_num_seqs))
+    tokens = min(sc.max_num_batched_tokens // n_seqs, max_len)
     per_seq = [n_images // n_seqs + (1 if i < n_images % n_seqs else 0) for i in range(n_seqs)]
     out = []
     gen = torch.Generator().manual_seed(0)
     for k in per_seq:
-        ids = [spec.image_token_id] * k + [1] * (tokens - k)
+        ids = [spec.image_token_id] * k + [1] * max(tokens - k, 0)
         images = None
         if k:
             pixels = torch.randn(k, v.max_num_tiles, v.num_channels, v.image_size, v.image_size,
