@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 import torch
 from helpers.compare import check_logprobs_close, vllm_greedy
+from helpers.cuda_paths import force_cuda_code_paths
 from PIL import Image
 
 from vllm import LLM, SamplingParams
@@ -41,7 +42,6 @@ def _run(backend: str, monkeypatch, cuda_paths: bool = False) -> list:
     import vllm.worker.model_runner as model_runner
     from vllm.attention.backends.torch_ref import TorchReferenceBackend
     from vllm.attention.backends.triton_attn import TritonBackend
-    from vllm.attention.ops.triton_prefill import default_prefill_config, split_count
 
     make = {"triton": lambda device: TritonBackend(prefill="triton"),
             "torch": lambda device: TorchReferenceBackend()}[backend]
@@ -53,9 +53,7 @@ def _run(backend: str, monkeypatch, cuda_paths: bool = False) -> list:
     kind = type(engine.runner.model.language_model.model.layers[0].self_attn.attn.backend)
     assert kind is {"torch": TorchReferenceBackend, "triton": TritonBackend}[backend]
     if cuda_paths:
-        monkeypatch.setattr(torch.Tensor, "is_cuda", property(lambda self: True))
-        monkeypatch.setattr(TritonBackend, "_cross_splits", lambda self, q, k: split_count(
-            q.shape[0], q.shape[1], k.shape[0], 132, default_prefill_config(q.dtype)))
+        force_cuda_code_paths(monkeypatch)
     params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True, logprobs=3)
     # Staggered arrivals: decode steps run between (and during spread) prefills.
     engine.add_request("0", PROMPTS[0], params)

@@ -5,6 +5,8 @@ from __future__ import annotations
 from types import SimpleNamespace
 
 import pytest
+import torch
+from helpers.cuda_paths import force_cuda_code_paths
 
 from vllm.engine.arg_utils import EngineArgs
 from vllm.worker.memory import _profile_inputs
@@ -32,3 +34,31 @@ def test_profile_prompts_fit_max_model_len_and_the_budgets(
     assert sum(lengths) > full - len(prompts)
     images = sum(len(p.images.num_tiles) for p in prompts if p.images is not None)
     assert images == sc.max_num_encoder_tiles // v.max_num_tiles
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the interpreter's checks are CPU-only")
+def test_profile_prefill_stays_in_bounds(monkeypatch) -> None:
+    """The profile prefill with the model's CUDA-only paths (fused RoPE + KV write, norms,
+    vision kernels, key-split cross prefill) in the bounds-checked Triton interpreter. With
+    prompts past max_model_len (as before the cap) the RoPE kernel reads past its tables here;
+    then the CUDA wrapper's bookkeeping around it (no GPU: its torch.cuda calls stubbed)."""
+    pytest.importorskip("triton")
+    import vllm.worker.model_runner as model_runner
+    from vllm import LLM
+    from vllm.attention.backends.triton_attn import TritonBackend
+    from vllm.worker import memory
+
+    monkeypatch.setattr(model_runner, "get_attn_backend", lambda device: TritonBackend())
+    llm = LLM(model="demo/mllama-tiny", max_model_len=128, max_num_seqs=2,
+              max_num_batched_tokens=256, max_num_encoder_tiles=4,
+              limit_mm_per_prompt={"image": 1})
+    runner = llm.llm_engine.runner
+    with monkeypatch.context() as m:
+        force_cuda_code_paths(m)
+        logits = memory.run_profile_prefill(runner)
+    assert logits.shape[0] == len(_profile_inputs(runner)) and torch.isfinite(logits).all()
+    for name in ("synchronize", "reset_peak_memory_stats", "empty_cache"):
+        monkeypatch.setattr(torch.cuda, name, lambda: None)
+    monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda: 12345)
+    monkeypatch.setattr(memory, "run_profile_prefill", lambda r: torch.zeros(1))
+    assert memory.profile_prefill_peak(runner) == 12345

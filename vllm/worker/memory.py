@@ -60,8 +60,10 @@ def _profile_inputs(runner) -> list[ProcessedInputs]:
 
 
 @torch.inference_mode()
-def profile_prefill_peak(runner) -> int:
-    """Peak bytes allocated while running the worst-case prefill step (no caches bound)."""
+def run_profile_prefill(runner) -> torch.Tensor:
+    """The worst-case prefill step with no caches bound (vision encoding, text forward, the
+    sampled rows' logits); returns the logits. Device-agnostic: the CPU suite runs it with the
+    CUDA-only paths forced, under the bounds-checked Triton interpreter."""
     from vllm.forward_context import set_forward_context
     from vllm.worker.prefill_inputs import PrefillItem, build_prefill_batch, step_images
 
@@ -70,18 +72,23 @@ def profile_prefill_peak(runner) -> int:
              enumerate(_profile_inputs(runner))]
     batch = build_prefill_batch(items, lo.block_size, lo.cross_block_size, runner.device)
     images = step_images(items, runner.device)
-    torch.cuda.synchronize()
-    torch.cuda.reset_peak_memory_stats()
     vision = None
     if images is not None:
         vision = runner.model.encode_images(images.pixel_values, images.aspect_ratio_ids,
                                             images.num_tiles)
     with set_forward_context(batch.metadata):
         hidden = runner.model(batch.input_ids, batch.positions, vision)
-    runner.model.compute_logits(hidden[batch.logits_indices])
+    return runner.model.compute_logits(hidden[batch.logits_indices])
+
+
+def profile_prefill_peak(runner) -> int:
+    """Peak bytes allocated while running the worst-case prefill step (no caches bound)."""
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    logits = run_profile_prefill(runner)
     torch.cuda.synchronize()
     peak = torch.cuda.max_memory_allocated()
-    del vision, hidden, batch
+    del logits
     torch.cuda.empty_cache()
     return peak
 
