@@ -33,7 +33,7 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 sys.path.insert(0, str(Path(__file__).parent))
-from run_report import make_prompt
+from run_report import dummy_11b, make_prompt
 
 from vllm import LLM, SamplingParams
 
@@ -195,8 +195,7 @@ def main() -> None:
     args = ap.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    llm = LLM(model="demo/mllama-11b", load_format="dummy", dtype="bfloat16",
-              max_model_len=4096, max_num_seqs=8, gpu_memory_utilization=0.5)
+    llm = dummy_11b()
     runner = llm.llm_engine.runner
     report: dict = {}
     timer = StepTimer(runner)

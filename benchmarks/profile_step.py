@@ -18,7 +18,7 @@ from pathlib import Path
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from vllm import LLM, SamplingParams
+from vllm import SamplingParams
 
 
 def table(prof, rows: int = 30) -> str:
@@ -35,9 +35,7 @@ def main() -> None:
     out.mkdir(parents=True, exist_ok=True)
     import run_report as rr
 
-    llm = LLM(model="demo/mllama-11b", load_format="dummy", dtype="bfloat16",
-              max_model_len=4096, max_num_seqs=max(8, args.decode_batch),
-              gpu_memory_utilization=0.5)
+    llm = rr.dummy_11b(max(8, args.decode_batch))
     engine = llm.llm_engine
     params = SamplingParams(temperature=0, max_tokens=1000, ignore_eos=True)
     prompt = rr.make_prompt(llm, True, 128, 3)

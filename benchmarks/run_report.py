@@ -47,6 +47,13 @@ def noise_image(size: int, seed: int) -> Image.Image:
     return Image.fromarray(rng.integers(0, 256, (size, size, 3), dtype=np.uint8))
 
 
+def dummy_11b(max_num_seqs: int = 8, gpu_memory_utilization: float = 0.5, **kwargs) -> LLM:
+    """The 11B Instruct shape with dummy bf16 weights, 4k context (the benchmarks' engine)."""
+    return LLM(model="demo/mllama-11b", load_format="dummy", dtype="bfloat16",
+               max_model_len=4096, max_num_seqs=max_num_seqs,
+               gpu_memory_utilization=gpu_memory_utilization, **kwargs)
+
+
 def make_prompt(llm: LLM, with_image: bool, n_tokens: int, seed: int) -> dict:
     spec = llm.llm_engine.config.model_config.spec
     bos = llm.get_tokenizer().bos_token_id
@@ -220,9 +227,7 @@ def main() -> None:
                     "torch": torch.__version__}
     report["copy_tb_s"] = copy_bandwidth()
     t0 = time.perf_counter()
-    llm = LLM(model="demo/mllama-11b", load_format="dummy", dtype="bfloat16",
-              max_model_len=4096, max_num_seqs=max(batches), gpu_memory_utilization=0.6,
-              limit_mm_per_prompt={"image": 1})
+    llm = dummy_11b(max(batches), 0.6, limit_mm_per_prompt={"image": 1})
     runner = llm.llm_engine.runner
     report["startup_s"] = time.perf_counter() - t0
     report["capture_s"] = runner.graphs.capture_time_s

@@ -30,7 +30,7 @@ import numpy as np
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from vllm import LLM, SamplingParams
+from vllm import SamplingParams
 
 GPU_CATS = ("kernel", "gpu_memcpy", "gpu_memset")
 
@@ -173,8 +173,7 @@ def main() -> None:
     out.mkdir(parents=True, exist_ok=True)
     import run_report as rr
 
-    llm = LLM(model="demo/mllama-11b", load_format="dummy", dtype="bfloat16",
-              max_model_len=4096, max_num_seqs=8, gpu_memory_utilization=0.5)
+    llm = rr.dummy_11b()
     engine = llm.llm_engine
     one = SamplingParams(temperature=0, max_tokens=1)
     processed = engine.process_inputs(rr.make_prompt(llm, True, 128, 99))
