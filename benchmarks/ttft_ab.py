@@ -70,59 +70,11 @@ def trace_one(llm, processed) -> dict:
             "per_stream_ms": {k: round(v, 3) for k, v in per_stream.items()}}
 
 
-def diagnose(llm, processed, iters: int = 10) -> dict:
-    """Where the host is when it has queued the whole text prefill (``end`` called): ms since
-    the step began, and whether the GPU had already finished the vision encoder and all the
-    main stream's work by then (if so, the text part waited on the host)."""
-    text = llm.llm_engine.runner.model.language_model.model
-    cls = type(text)
-    real_attach, real_end = cls.attach_vision, cls.end
-    marks: dict = {}
-
-    def attach(self, state, vision):
-        real_attach(self, state, vision)
-        marks["vision_done"] = torch.cuda.Event()
-        marks["vision_done"].record()
-        marks["attach_ms"] = (time.perf_counter() - marks["t0"]) * 1e3
-
-    def end(self, state):
-        marks["end_ms"] = (time.perf_counter() - marks["t0"]) * 1e3
-        marks["vision_finished"] = marks["vision_done"].query()
-        marks["main_idle"] = torch.cuda.current_stream().query()
-        return real_end(self, state)
-
-    cls.attach_vision, cls.end = attach, end
-    rows = []
-    try:
-        engine = llm.llm_engine
-        params = SamplingParams(temperature=0, max_tokens=1)
-        for i in range(iters):
-            engine.add_request(f"d{time.monotonic_ns()}_{i}", None, params, processed=processed)
-            torch.cuda.synchronize()
-            marks.clear()
-            marks["t0"] = time.perf_counter()
-            while engine.has_unfinished_requests():
-                engine.step()
-            total = (time.perf_counter() - marks["t0"]) * 1e3
-            rows.append((marks["attach_ms"], marks["end_ms"], marks["vision_finished"],
-                         marks["main_idle"], total))
-    finally:
-        cls.attach_vision, cls.end = real_attach, real_end
-    return {"attach_ms": statistics.median(r[0] for r in rows),
-            "all_text_queued_ms": statistics.median(r[1] for r in rows),
-            "vision_finished_by_then": sum(r[2] for r in rows) / len(rows),
-            "main_idle_by_then": sum(r[3] for r in rows) / len(rows),
-            "ttft_ms": statistics.median(r[4] for r in rows)}
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--rounds", type=int, default=6)
     ap.add_argument("--iters", type=int, default=5)
     ap.add_argument("--out", default="/tmp/ttft")
-    ap.add_argument("--diagnose", action="store_true",
-                    help="also report when the host has queued the text prefill against "
-                         "the GPU's progress (per setting)")
     ap.add_argument("--trace", action="store_true",
                     help="then profile one prefill per setting (last: the profiler slows every "
                          "later launch in the process) and report per-stream kernel time and "
@@ -151,11 +103,6 @@ def main() -> None:
             results[name].append(ttft_ms(llm, processed, args.iters))
         print(f"round {r}: " + ", ".join(f"{k} {v[-1]:.2f} ms" for k, v in results.items()),
               flush=True)
-    diagnosis = {}
-    for name in names if args.diagnose else ():
-        use(name)
-        diagnosis[name] = diagnose(llm, processed)
-        print(f"diagnose {name}: {diagnosis[name]}", flush=True)
     traces = {}
     for name in names if args.trace else ():
         use(name)
@@ -165,7 +112,6 @@ def main() -> None:
     summary = {k: {"median_ms": statistics.median(v), "min_ms": min(v), "max_ms": max(v),
                    "rounds_ms": v} for k, v in results.items()}
     summary["trace"] = traces
-    summary["diagnose"] = diagnosis
     summary["gpu"] = torch.cuda.get_device_name()
     summary["torch"] = torch.__version__
     summary["date"] = time.strftime("%Y-%m-%d")
