@@ -88,8 +88,7 @@ def test_side_stream_changes_no_bit(llm: LLM, monkeypatch) -> None:
     text = _text_model(llm)
     used = []
     real_side = mllama._side_stream
-    monkeypatch.setattr(mllama, "_side_stream",
-                        lambda d, **kw: used.append(d) or real_side(d, **kw))
+    monkeypatch.setattr(mllama, "_side_stream", lambda d: used.append(d) or real_side(d))
     assert text.cross_kv_side_stream
     with_side = _outputs(llm)
     assert used, "the side stream was not used"

@@ -169,9 +169,6 @@ class MllamaTextModel(nn.Module):
         # False keeps only the first of the two.
         self.cross_kv_side_stream = True
         self.early_layers_side_stream = True
-        # Experimental: a prefill's text layers on a high-priority stream, so the side
-        # stream's blocks only take SMs the text kernels leave free.
-        self.high_priority_text = False
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 vision: torch.Tensor | None) -> torch.Tensor:
@@ -193,11 +190,8 @@ class MllamaTextModel(nn.Module):
         (``layers_before_vision``) can run before ``attach_vision``."""
         md = get_attention_metadata()
         skip_cross = md.skip_cross_attention
-        state = TextProgress(self.embed_tokens(input_ids), None, positions, None, skip_cross,
-                             None if skip_cross else md.cross_row_mask())
-        if self.high_priority_text and self.side_stream(input_ids.device) is not None:
-            state.text_stream = _side_stream(input_ids.device, high_priority=True)
-        return state
+        return TextProgress(self.embed_tokens(input_ids), None, positions, None, skip_cross,
+                            None if skip_cross else md.cross_row_mask())
 
     def layers_before_vision(self) -> int:
         return self.cross_layer_ids[0] if self.cross_layer_ids else len(self.layers)
@@ -262,17 +256,6 @@ class MllamaTextModel(nn.Module):
 
     def run_layers(self, state: TextProgress, num_layers: int) -> bool:
         """Runs up to ``num_layers`` more layers; True once all have run."""
-        fast = state.text_stream
-        if fast is None:
-            return self._run_layers(state, num_layers)
-        caller = torch.cuda.current_stream(fast.device)
-        fast.wait_stream(caller)
-        with torch.cuda.stream(fast):
-            done = self._run_layers(state, num_layers)
-        caller.wait_stream(fast)
-        return done
-
-    def _run_layers(self, state: TextProgress, num_layers: int) -> bool:
         stop = min(state.next_layer + num_layers, len(self.layers))
         x, residual = state.hidden, state.residual
         for index in range(state.next_layer, stop):
@@ -308,19 +291,17 @@ class TextProgress:
     # (cross layer index, its vision K/V, CUDA event or None) projected ahead of the layer.
     ahead: tuple[int, tuple[torch.Tensor, torch.Tensor], object] | None = None
     side_stream: torch.cuda.Stream | None = None
-    text_stream: torch.cuda.Stream | None = None
 
 
-_SIDE_STREAMS: dict[tuple[int, bool], torch.cuda.Stream] = {}
+_SIDE_STREAMS: dict[int, torch.cuda.Stream] = {}
 
 
-def _side_stream(device: torch.device, high_priority: bool = False) -> torch.cuda.Stream:
-    """One side stream per GPU (and priority) for work that overlaps the main stream's."""
+def _side_stream(device: torch.device) -> torch.cuda.Stream:
+    """One side stream per GPU for the cross layers' K/V projections."""
     index = device.index if device.index is not None else torch.cuda.current_device()
-    stream = _SIDE_STREAMS.get((index, high_priority))
+    stream = _SIDE_STREAMS.get(index)
     if stream is None:
-        stream = torch.cuda.Stream(device=index, priority=-1 if high_priority else 0)
-        _SIDE_STREAMS[(index, high_priority)] = stream
+        stream = _SIDE_STREAMS[index] = torch.cuda.Stream(device=index)
     return stream
 
 
