@@ -1,11 +1,10 @@
-"""TTFT of one 4-tile image + 128 tokens (11B shape, dummy weights; CUDA only) with the side
-stream off, used for the cross layers' K/V only, and also for the text layers before the first
-cross layer (the default), alternating in one process.
+"""TTFT of one 4-tile image + 128 tokens (11B shape, dummy weights; CUDA only) with the cross
+layers' vision K/V projected on a side stream and in line, alternating in one process.
 
     python benchmarks/ttft_ab.py --rounds 6 --out /tmp/ttft
 
-Each round measures every setting (median of ``--iters`` prefills each, the order rotated
-every round), so drift of the machine falls on all. Writes ``ttft_ab.json`` under --out and
+Each round measures both settings (median of ``--iters`` prefills each, the order swapped
+every round), so drift of the machine falls on both. Writes ``ttft_ab.json`` under --out and
 prints a table last.
 """
 
@@ -52,23 +51,18 @@ def main() -> None:
     llm = dummy_11b(8, 0.6, limit_mm_per_prompt={"image": 1})
     text = llm.llm_engine.runner.model.language_model.model
     processed = llm.llm_engine.process_inputs(make_prompt(llm, True, 128, 99))
-    settings = {"off": (False, False), "kv": (True, False), "kv+early": (True, True)}
-    results: dict[str, list[float]] = {k: [] for k in settings}
-
-    def use(name: str) -> None:
-        text.cross_kv_side_stream, text.early_layers_side_stream = settings[name]
-
-    names = list(settings)
-    for name in names:  # warm all (workspaces, allocator pools)
-        use(name)
+    results: dict[str, list[float]] = {"side": [], "inline": []}
+    for setting in ("side", "inline"):  # warm both (workspaces, allocator pools)
+        text.cross_kv_side_stream = setting == "side"
         ttft_ms(llm, processed, 2)
     for r in range(args.rounds):
-        for name in names[r % 3:] + names[:r % 3]:
-            use(name)
-            results[name].append(ttft_ms(llm, processed, args.iters))
-        print(f"round {r}: " + ", ".join(f"{k} {v[-1]:.2f} ms" for k, v in results.items()),
-              flush=True)
-    use("kv+early")
+        order = ("side", "inline") if r % 2 == 0 else ("inline", "side")
+        for setting in order:
+            text.cross_kv_side_stream = setting == "side"
+            results[setting].append(ttft_ms(llm, processed, args.iters))
+        print(f"round {r}: side {results['side'][-1]:.2f} ms, "
+              f"inline {results['inline'][-1]:.2f} ms", flush=True)
+    text.cross_kv_side_stream = True
     summary = {k: {"median_ms": statistics.median(v), "min_ms": min(v), "max_ms": max(v),
                    "rounds_ms": v} for k, v in results.items()}
     summary["gpu"] = torch.cuda.get_device_name()
@@ -76,7 +70,7 @@ def main() -> None:
     summary["date"] = time.strftime("%Y-%m-%d")
     (out / "ttft_ab.json").write_text(json.dumps(summary, indent=1))
     print("setting   median   min      max   (ms, TTFT of one 4-tile image + 128 tokens)")
-    for k in names:
+    for k in ("side", "inline"):
         s = summary[k]
         print(f"{k:8s} {s['median_ms']:7.2f} {s['min_ms']:7.2f} {s['max_ms']:7.2f}")
 

@@ -69,9 +69,7 @@ class Ours:
         return self.processor.process(prompt)
 
     @torch.no_grad()
-    def logits(self, processed: list, staged: bool = False) -> list[torch.Tensor]:
-        """``staged``: the runner's order on CUDA, the text layers before the first cross
-        layer run before the vision tokens are attached."""
+    def logits(self, processed: list) -> list[torch.Tensor]:
         items = [PrefillItem(p.prompt_token_ids, p, i) for i, p in enumerate(processed)]
         batch = build_prefill_batch(items, 16, 16, torch.device("cpu"))
         vision = None
@@ -79,17 +77,8 @@ class Ours:
         if images is not None:
             vision = self.model.encode_images(images.pixel_values, images.aspect_ratio_ids,
                                               images.num_tiles)
-        text = self.model.language_model.model
         with set_forward_context(batch.metadata):
-            if staged:
-                state = text.start(batch.input_ids, batch.positions)
-                text.run_layers(state, text.layers_before_vision())
-                assert state.next_layer == text.layers_before_vision() > 0
-                text.attach_vision(state, vision)
-                text.run_layers(state, len(text.layers))
-                hidden = text.end(state)
-            else:
-                hidden = self.model(batch.input_ids, batch.positions, vision)
+            hidden = self.model(batch.input_ids, batch.positions, vision)
         logits = self.model.compute_logits(hidden)
         return list(torch.split(logits, batch.metadata.seq_lens))
 
@@ -155,12 +144,3 @@ def test_text_before_image_equals_text_only_prefix(ours: Ours) -> None:
     prefix = ours.processor.build(processed.prompt_token_ids[:first_image], None)
     (text_only,) = ours.logits([prefix])
     assert torch.equal(with_image[:first_image], text_only)
-
-
-def test_layers_before_vision_then_attach_equals_forward(ours: Ours) -> None:
-    """The runner's CUDA order (layers before the first cross layer, then the vision tokens)
-    computes the same bits as one forward."""
-    processed = [ours.process(n) for n in ("interleaved", "text_only", "three_mid")]
-    for staged, whole in zip(ours.logits(processed, staged=True), ours.logits(processed),
-                             strict=True):
-        assert torch.equal(staged, whole)

@@ -317,42 +317,22 @@ class ModelRunner:
         # The encoder first: the GPU runs it while the host builds the text inputs. With
         # vision graphs the pixels go from the (pinned) host tensors into the graph's buffer.
         graphs = self.vision_graphs
-        text = self.model.language_model.model
         images = step_images(items, self.device, upload=graphs is None)
-        vision = side = None
+        vision = None
         if images is not None and graphs is not None:
-            # The text layers before the first cross layer need no vision tokens: with the
-            # vision graphs they run on the side stream while the encoder runs (its memory is
-            # the graphs' own pool, so the profiled peak still bounds the step's).
-            side = text.side_stream(self.device) if text.early_layers_side_stream else None
-            if side is not None:
-                side.wait_stream(torch.cuda.current_stream(self.device))
             vision = graphs.encode_host(images.host_pixels, images.host_aspect_ratio_ids,
                                         images.num_tiles)
         elif images is not None:
             vision = self.encode_images(images.pixel_values, images.aspect_ratio_ids,
                                         images.num_tiles)
-        if side is not None:
-            # Side-stream tensors are used by the main stream afterwards; every side-stream
-            # use starts by waiting for the main stream's queued work, so a block freed back
-            # to the side stream's pool is reused only after its last main-stream reader.
-            with torch.cuda.stream(side):
-                batch = build_prefill_batch(items, lo.block_size, lo.cross_block_size,
-                                            self.device)
-                with set_forward_context(batch.metadata):
-                    state = text.start(batch.input_ids, batch.positions)
-                    text.run_layers(state, text.layers_before_vision())
-            torch.cuda.current_stream(self.device).wait_stream(side)
-        else:
-            batch = build_prefill_batch(items, lo.block_size, lo.cross_block_size, self.device)
-            with set_forward_context(batch.metadata):
-                state = text.start(batch.input_ids, batch.positions)
+        batch = build_prefill_batch(items, lo.block_size, lo.cross_block_size, self.device)
         for s in out.prefill_seqs:
             s.request.encoded_images = None  # consumed (freed once this step has run)
         if batch.vision_parts:
             vision = batch.assemble_vision(vision)
         with set_forward_context(batch.metadata):
-            text.attach_vision(state, vision)
+            state = self.model.language_model.model.begin(batch.input_ids, batch.positions,
+                                                          vision)
         return PrefillJob(out, batch, state)
 
     def _prefill(self, out: SchedulerOutput) -> tuple[StepOutput, SamplerOutput]:

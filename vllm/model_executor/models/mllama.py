@@ -163,12 +163,8 @@ class MllamaTextModel(nn.Module):
         self.cross_layer_ids = sorted(i for i in cross if i < spec.num_hidden_layers)
         self.norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
         # On CUDA a prefill projects each cross layer's vision K/V on a side stream while the
-        # layers before it run (see ``_project_ahead``), and the runner runs the layers before
-        # the first cross layer there while the vision encoder runs; False runs all of it in
-        # line on one stream (the same kernels either way). ``early_layers_side_stream``
-        # False keeps only the first of the two.
+        # layers before it run (see ``_project_ahead``); False runs it in line (same kernels).
         self.cross_kv_side_stream = True
-        self.early_layers_side_stream = True
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 vision: torch.Tensor | None) -> torch.Tensor:
@@ -181,39 +177,17 @@ class MllamaTextModel(nn.Module):
     # call. The engine spreads a prefill over decode steps this way.
     def begin(self, input_ids: torch.Tensor, positions: torch.Tensor,
               vision: torch.Tensor | None) -> TextProgress:
-        state = self.start(input_ids, positions)
-        self.attach_vision(state, vision)
-        return state
-
-    def start(self, input_ids: torch.Tensor, positions: torch.Tensor) -> TextProgress:
-        """``begin`` without the vision tokens: the layers before the first cross layer
-        (``layers_before_vision``) can run before ``attach_vision``."""
         md = get_attention_metadata()
         skip_cross = md.skip_cross_attention
-        return TextProgress(self.embed_tokens(input_ids), None, positions, None, skip_cross,
-                            None if skip_cross else md.cross_row_mask())
-
-    def layers_before_vision(self) -> int:
-        return self.cross_layer_ids[0] if self.cross_layer_ids else len(self.layers)
-
-    def attach_vision(self, state: TextProgress, vision: torch.Tensor | None) -> None:
-        """Gives a started prefill its vision tokens (None: the step has none)."""
-        state.vision = vision
-        if vision is None or state.skip_cross:
-            return
-        side = self.side_stream(vision.device)
-        if side is not None:
-            state.side_stream = side
-            vision.record_stream(side)
-        self._project_ahead(state, state.next_layer)
-
-    def side_stream(self, device: torch.device) -> torch.cuda.Stream | None:
-        """The stream for work that overlaps the main stream's, or None (off, not CUDA, or
-        inside a graph capture)."""
-        if (not self.cross_kv_side_stream or device.type != "cuda"
-                or torch.cuda.is_current_stream_capturing()):
-            return None
-        return _side_stream(device)
+        state = TextProgress(self.embed_tokens(input_ids), None, positions, vision, skip_cross,
+                             None if skip_cross else md.cross_row_mask())
+        if vision is not None and not skip_cross:
+            if (self.cross_kv_side_stream and vision.is_cuda
+                    and not torch.cuda.is_current_stream_capturing()):
+                state.side_stream = _side_stream(vision.device)
+                vision.record_stream(state.side_stream)
+            self._project_ahead(state, 0)
+        return state
 
     def _project_ahead(self, state: TextProgress, first: int) -> None:
         """Starts the vision K/V of the first cross layer at index >= ``first``.
