@@ -99,17 +99,13 @@ class MllamaCrossAttention(nn.Module):
         self.k_norm = RMSNorm(d, spec.rms_norm_eps)
         self.attn = CrossAttention(hq, hkv, d)
 
-    def project_kv(self, vision: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Vision tokens [N, H] -> this layer's keys (normed) and values, [N, Hkv * D] each."""
-        k, v = self.kv_proj.split(self.kv_proj(vision))
-        return self.k_norm(k.reshape(-1, self.num_kv_heads, self.head_dim)), v
-
-    def forward(self, x: torch.Tensor,
-                kv: tuple[torch.Tensor, torch.Tensor] | None) -> torch.Tensor:
-        """``kv``: ``project_kv`` of the step's vision tokens (prefill), None in decode."""
+    def forward(self, x: torch.Tensor, vision: torch.Tensor | None) -> torch.Tensor:
         t = x.shape[0]
         q = self.q_norm(self.q_proj(x).view(t, self.num_heads, self.head_dim))
-        k, v = kv if kv is not None else (None, None)
+        k = v = None
+        if vision is not None:
+            k, v = self.kv_proj.split(self.kv_proj(vision))
+            k = self.k_norm(k.reshape(-1, self.num_kv_heads, self.head_dim))
         return self.o_proj(self.attn(q.reshape(t, -1), k, v))
 
 
@@ -133,16 +129,15 @@ class MllamaCrossAttentionDecoderLayer(nn.Module):
                                              self.cross_attn_mlp_gate.tanh())))
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None,
-                kv: tuple[torch.Tensor, torch.Tensor] | None,
+                vision: torch.Tensor | None,
                 row_mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        # kv: the layer's vision K/V (``MllamaCrossAttention.project_kv``) in prefill, None in
-        # decode. row_mask: [T, 1] bool. Both branches are gated by tanh and zeroed
-        # (torch.where, so a NaN in a masked row stays out) for tokens that see no image.
+        # row_mask: [T, 1] bool. Both branches are gated by tanh and zeroed (torch.where, so
+        # a NaN in a masked row stays out) for tokens that see no image.
         if residual is None:
             residual, h = x, self.input_layernorm(x)
         else:
             h, residual = self.input_layernorm(x, residual)
-        h = self.cross_attn(h, kv)
+        h = self.cross_attn(h, vision)
         h, residual = self.post_attention_layernorm.forward_gated(
             h, residual, self.gates_tanh[0:1], row_mask)
         return masked_gate(self.mlp(h), self.gates_tanh[1:2], row_mask), residual
@@ -160,11 +155,7 @@ class MllamaTextModel(nn.Module):
             MllamaCrossAttentionDecoderLayer(spec) if i in cross
             else LlamaDecoderLayer(spec, self.rotary)
             for i in range(spec.num_hidden_layers))
-        self.cross_layer_ids = sorted(i for i in cross if i < spec.num_hidden_layers)
         self.norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
-        # On CUDA a prefill projects each cross layer's vision K/V on a side stream while the
-        # layers before it run (see ``_project_ahead``); False runs it in line (same kernels).
-        self.cross_kv_side_stream = True
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 vision: torch.Tensor | None) -> torch.Tensor:
@@ -179,66 +170,18 @@ class MllamaTextModel(nn.Module):
               vision: torch.Tensor | None) -> TextProgress:
         md = get_attention_metadata()
         skip_cross = md.skip_cross_attention
-        state = TextProgress(self.embed_tokens(input_ids), None, positions, vision, skip_cross,
-                             None if skip_cross else md.cross_row_mask())
-        if vision is not None and not skip_cross:
-            if (self.cross_kv_side_stream and vision.is_cuda
-                    and not torch.cuda.is_current_stream_capturing()):
-                state.side_stream = _side_stream(vision.device)
-                vision.record_stream(state.side_stream)
-            self._project_ahead(state, 0)
-        return state
-
-    def _project_ahead(self, state: TextProgress, first: int) -> None:
-        """Starts the vision K/V of the first cross layer at index >= ``first``.
-
-        The cross layers' K/V projections of the vision tokens (a compute-bound GEMM over
-        thousands of rows) do not depend on the text, while the text layers of a short prompt
-        are bound by their weight reads and leave SMs idle: on a side stream the projection
-        for the next cross layer runs alongside the layers before it. One layer ahead only,
-        so at most two layers' K/V are alive. The side stream first waits for everything the
-        main stream has queued (the vision tokens included); the consumer waits for its event.
-        Same kernels on the same inputs as in line, so the same bits.
-        """
-        nxt = next((i for i in self.cross_layer_ids if i >= first), None)
-        if nxt is None:
-            state.ahead = None
-            return
-        attn = self.layers[nxt].cross_attn
-        side = state.side_stream
-        if side is None:
-            state.ahead = (nxt, attn.project_kv(state.vision), None)
-            return
-        side.wait_stream(torch.cuda.current_stream(side.device))
-        with torch.cuda.stream(side):
-            kv = attn.project_kv(state.vision)
-            done = torch.cuda.Event()
-            done.record(side)
-        state.ahead = (nxt, kv, done)
-
-    def _take_kv(self, state: TextProgress, index: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """The K/V projected ahead for cross layer ``index``; starts the next one."""
-        assert state.ahead is not None and state.ahead[0] == index, "cross K/V out of order"
-        _, kv, done = state.ahead
-        if done is not None:
-            main = torch.cuda.current_stream(state.side_stream.device)
-            main.wait_event(done)
-            for t in kv:  # freed by the main stream's consumer, allocated on the side stream
-                t.record_stream(main)
-        self._project_ahead(state, index + 1)
-        return kv
+        return TextProgress(self.embed_tokens(input_ids), None, positions, vision, skip_cross,
+                            None if skip_cross else md.cross_row_mask())
 
     def run_layers(self, state: TextProgress, num_layers: int) -> bool:
         """Runs up to ``num_layers`` more layers; True once all have run."""
         stop = min(state.next_layer + num_layers, len(self.layers))
         x, residual = state.hidden, state.residual
-        for index in range(state.next_layer, stop):
-            layer = self.layers[index]
+        for layer in self.layers[state.next_layer:stop]:
             if isinstance(layer, MllamaCrossAttentionDecoderLayer):
                 if state.skip_cross:
                     continue
-                kv = self._take_kv(state, index) if state.vision is not None else None
-                x, residual = layer(x, residual, kv, state.row_mask)
+                x, residual = layer(x, residual, state.vision, state.row_mask)
             else:
                 x, residual = layer(state.positions, x, residual)
         state.hidden, state.residual, state.next_layer = x, residual, stop
@@ -262,21 +205,6 @@ class TextProgress:
     skip_cross: bool
     row_mask: torch.Tensor | None
     next_layer: int = 0
-    # (cross layer index, its vision K/V, CUDA event or None) projected ahead of the layer.
-    ahead: tuple[int, tuple[torch.Tensor, torch.Tensor], object] | None = None
-    side_stream: torch.cuda.Stream | None = None
-
-
-_SIDE_STREAMS: dict[int, torch.cuda.Stream] = {}
-
-
-def _side_stream(device: torch.device) -> torch.cuda.Stream:
-    """One side stream per GPU for the cross layers' K/V projections."""
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    stream = _SIDE_STREAMS.get(index)
-    if stream is None:
-        stream = _SIDE_STREAMS[index] = torch.cuda.Stream(device=index)
-    return stream
 
 
 class MllamaForCausalLM(nn.Module):
