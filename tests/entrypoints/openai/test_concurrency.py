@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import threading
 import time
 from typing import Any
 
@@ -88,6 +89,27 @@ def _success_count(server: RunningServer) -> float:
     return total
 
 
+def _hold_after_text(llm_engine: Any, monkeypatch: pytest.MonkeyPatch,
+                     pieces: int) -> threading.Event:
+    """Makes the engine wait, before each step, once its outputs have carried ``pieces``
+    non-empty text deltas (what a server streams; a token can decode to no text), until the
+    returned event is set (bounded): a request cannot finish behind the back of a client
+    that is slow to read (a loaded CI machine)."""
+    release = threading.Event()
+    real_step = llm_engine.step
+    seen = [0]
+
+    def step():
+        if not release.is_set() and seen[0] >= pieces:
+            release.wait(timeout=30)
+        outs = real_step()
+        seen[0] += sum(1 for o in outs for c in o.outputs if c.text)
+        return outs
+
+    monkeypatch.setattr(llm_engine, "step", step)
+    return release
+
+
 @pytest.mark.parametrize(
     "path,body",
     [
@@ -96,28 +118,32 @@ def _success_count(server: RunningServer) -> float:
     ],
 )
 def test_disconnect_mid_stream_frees_pages(
-    server: RunningServer, path: str, body: dict[str, Any]
+    server: RunningServer, path: str, body: dict[str, Any], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     wait_until_idle(server.engine)
     pool = server.engine.engine.block_manager.pool
     free_before = pool.num_free
     successes = _success_count(server)
     body = {**body, "max_tokens": 400, "ignore_eos": True, "stream": True}
-    with (
-        httpx.Client(timeout=30) as http,
-        http.stream("POST", f"{server.url}{path}", json=body) as r,
-    ):
-        events = []
-        for line in r.iter_lines():
-            if line.startswith("data: "):
-                events.append(line)
-            if len(events) >= 4:
-                break
-        # The request holds pages while it runs (the events say what happened if not).
-        assert pool.num_free < free_before, events
+    release = _hold_after_text(server.engine.engine, monkeypatch, 8)
+    try:
+        with (
+            httpx.Client(timeout=30) as http,
+            http.stream("POST", f"{server.url}{path}", json=body) as r,
+        ):
+            events = []
+            for line in r.iter_lines():
+                if line.startswith("data: "):
+                    events.append(line)
+                if len(events) >= 4:
+                    break
+            # The request holds pages while it runs (the events say what happened if not).
+            assert pool.num_free < free_before, events
+    finally:
+        release.set()  # disconnected: let the engine run (and see the abort)
     start = time.monotonic()
     wait_until_idle(server.engine, timeout=10)
-    # 400 tokens take seconds on CPU; an abort frees everything much sooner.
+    # Freed at once by the abort (the success count below says it did not finish).
     assert time.monotonic() - start < 5
     assert pool.num_free == free_before
     assert _success_count(server) == successes  # aborted, not finished
