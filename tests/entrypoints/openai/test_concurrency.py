@@ -149,7 +149,9 @@ def test_disconnect_mid_stream_frees_pages(
     assert _success_count(server) == successes  # aborted, not finished
 
 
-def test_disconnect_while_waiting_for_non_streamed_response(server: RunningServer) -> None:
+def test_disconnect_while_waiting_for_non_streamed_response(
+    server: RunningServer, monkeypatch: pytest.MonkeyPatch
+) -> None:
     wait_until_idle(server.engine)
     successes = _success_count(server)
     body = {
@@ -157,8 +159,13 @@ def test_disconnect_while_waiting_for_non_streamed_response(server: RunningServe
         "max_tokens": 400,
         "ignore_eos": True,
     }
-    with pytest.raises(httpx.ReadTimeout):
-        httpx.post(f"{server.url}/v1/chat/completions", json=body, timeout=0.5)
+    # Held mid-way until the client has given up: a fast machine cannot finish first.
+    release = _hold_after_text(server.engine.engine, monkeypatch, 8)
+    try:
+        with pytest.raises(httpx.ReadTimeout):
+            httpx.post(f"{server.url}/v1/chat/completions", json=body, timeout=0.5)
+    finally:
+        release.set()
     start = time.monotonic()
     wait_until_idle(server.engine, timeout=10)
     assert time.monotonic() - start < 5
