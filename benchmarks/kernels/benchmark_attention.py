@@ -31,10 +31,18 @@ import triton
 from vllm.attention.ops import reference as ref
 from vllm.attention.ops.triton_decode import DecodeConfig, paged_decode_attention
 from vllm.attention.ops.triton_prefill import (
+    PrefillConfig,
     default_prefill_config,
     ranged_cross_attention,
     split_count,
     varlen_causal_attention,
+)
+from vllm.attention.ops.vision_attention import (
+    HALF_PADDING_TILE,
+    padding_rows_attention,
+    padding_rows_ranges,
+    sdpa,
+    vision_attention,
 )
 
 HQ, HKV, HEAD_DIM, DTYPE = 32, 8, 128, torch.bfloat16
@@ -123,44 +131,74 @@ def bench_decode(
 
 
 def bench_vision() -> list[Row]:
-    """The vision tower's attention: maskless, the model's valid/padding split, dense mask."""
+    """The vision tower's attention per tile count: maskless (no padding rule), the old path
+    (maskless + padding rows by SDPA), two SDPA calls joined, the model's choice
+    (``vision_attention``), and a dense padding mask."""
     length, h, d = VISION_TOKENS, VISION_HEADS, VISION_DIM
-    q, k, v = (torch.randn(1, h, length, d, dtype=DTYPE, device="cuda") for _ in range(3))
+    qkv = torch.randn(1, length, 3 * h * d, dtype=DTYPE, device="cuda")
+    q, k, v = (t.view(1, length, h, d).transpose(1, 2) for t in qkv.split(h * d, dim=-1))
     full_flops = 4 * h * d * length * length
     rows = []
 
     def add(name: str, fn: Callable[[], object], note: str) -> None:
-        ms = triton.testing.do_bench(fn, warmup=10, rep=100, return_mode="median")
-        rows.append(
-            Row(name, 1, length, ms * 1e3, tflops=full_flops / (ms * 1e-3) / 1e12, note=note)
-        )
+        us = time_graph_us([fn] * 10)
+        rows.append(Row(name, 1, length, us, tflops=full_flops / (us * 1e-6) / 1e12, note=note))
 
-    add("vision sdpa maskless", lambda: F.scaled_dot_product_attention(q, k, v), "no padding")
-    for valid in (4 * 1601, 1601):
+    add("vision sdpa maskless", lambda: sdpa(q, k, v), "no padding")
+    for tiles in (4, 3, 2, 1):
+        valid = tiles * 1601
 
         def split(n: int = valid) -> torch.Tensor:
-            out_valid = F.scaled_dot_product_attention(q[:, :, :n], k, v)
-            out_pad = F.scaled_dot_product_attention(q[:, :, n:], k[:, :, :n], v[:, :, :n])
-            return torch.cat((out_valid, out_pad), dim=2)
-
-        add("vision sdpa 2-call split", split, f"{valid} valid")
+            out_valid = sdpa(q[:, :, :n], k, v)
+            out_pad = sdpa(q[:, :, n:], k[:, :, :n], v[:, :, :n])
+            return torch.cat((out_valid.transpose(1, 2), out_pad.transpose(1, 2)), dim=1)
 
         def fixup(n: int = valid) -> torch.Tensor:
-            # What the model does: one maskless call, then the padding rows redone over the
-            # valid keys only.
-            out = F.scaled_dot_product_attention(q, k, v)
-            out[:, :, n:] = F.scaled_dot_product_attention(q[:, :, n:], k[:, :, :n], v[:, :, :n])
+            out = sdpa(q, k, v)
+            out[:, :, n:] = sdpa(q[:, :, n:], k[:, :, :n], v[:, :, :n])
             return out
 
-        add("vision maskless + pad rows", fixup, f"{valid} valid")
+        ranges = padding_rows_ranges(length, valid, q.device)
+        note = f"{tiles} tiles, {valid} valid"
+        add("vision sdpa 2-call split", split, note)
+        add("vision maskless + pad rows", fixup, note)
+        add("vision_attention (model)",
+            lambda n=valid, r=ranges: vision_attention(q, k, v, n, r),
+            note + (", split pad kernel" if ranges is not None else ", 2 calls"))
         pad = torch.arange(length, device="cuda") >= valid
         mask = torch.zeros(1, 1, length, length, dtype=DTYPE, device="cuda")
         mask.masked_fill_(pad[:, None] & pad[None, :], torch.finfo(DTYPE).min)
-        add(
-            "vision sdpa dense mask",
-            lambda m=mask: F.scaled_dot_product_attention(q, k, v, attn_mask=m),
-            f"{valid} valid",
-        )
+        add("vision sdpa dense mask",
+            lambda m=mask: F.scaled_dot_product_attention(q, k, v, attn_mask=m), note)
+    return rows
+
+
+def bench_padding_rows(sweep: bool) -> list[Row]:
+    """The padding rows of a 4-tile image alone (28 queries over 6,404 valid keys): SDPA (what
+    the floor counts) against the split kernel, at its defaults or over a sweep of tiles and
+    split counts."""
+    length, valid, h, d = VISION_TOKENS, 4 * 1601, VISION_HEADS, VISION_DIM
+    q, k, v = (torch.randn(1, h, length, d, dtype=DTYPE, device="cuda") for _ in range(3))
+    out = torch.empty_like(q)
+    ranges = padding_rows_ranges(length, valid, q.device)
+    flops = 4 * h * d * (length - valid) * valid
+    cases = {"pad rows sdpa": (lambda: sdpa(q[:, :, valid:], k[:, :, :valid], v[:, :, :valid]),
+                               "cuDNN"),
+             "pad rows split": (lambda: padding_rows_attention(q, k, v, out, valid, ranges),
+                                f"default {HALF_PADDING_TILE}")}
+    if sweep:
+        for tile in ((16, 64, 4, 2), (32, 64, 4, 2), (32, 128, 4, 2), (64, 64, 4, 3),
+                     (64, 128, 8, 3), (128, 64, 8, 3)):
+            for n in (8, 16, 32, 64):
+                cfg = PrefillConfig(*tile)
+                cases[f"pad rows split {n} {tile}"] = (
+                    lambda cfg=cfg, n=n: padding_rows_attention(q, k, v, out, valid, ranges,
+                                                                config=cfg, num_splits=n),
+                    f"{n} splits, tile {tile}")
+    rows = []
+    for name, (fn, note) in cases.items():
+        us = time_graph_us([fn] * 20)
+        rows.append(Row(name, 1, valid, us, tflops=flops / (us * 1e-6) / 1e12, note=note))
     return rows
 
 
@@ -268,6 +306,10 @@ def main() -> None:
     parser.add_argument("--sweep", action="store_true", help="sweep decode knobs one at a time")
     parser.add_argument("--json", type=str, default=None, help="also write the rows here")
     parser.add_argument("--prefill-only", action="store_true", help="the prefill cases only")
+    parser.add_argument("--vision-only", action="store_true",
+                        help="the vision tower's attention and its padding rows only")
+    parser.add_argument("--padding-sweep", action="store_true",
+                        help="sweep the padding-row kernel's tiles and split counts")
     defaults = DecodeConfig()
     for field in ("num_segments", "block_n", "min_chunk", "num_warps", "num_stages"):
         parser.add_argument(
@@ -290,6 +332,13 @@ def main() -> None:
         ((1, 64), (4096,)) if args.quick else ((1, 8, 32, 64, 128), (512, 4096, 32768))
     )
     rows = []
+    if args.vision_only:
+        rows = bench_vision() + bench_padding_rows(args.padding_sweep)
+        print(format_table(rows))
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump([dataclasses.asdict(r) for r in rows], f, indent=1)
+        return
     if args.prefill_only:
         print(format_table(bench_prefill()))
         return
@@ -300,7 +349,7 @@ def main() -> None:
         rows.append(bench_decode("cross decode", batch, CROSS_LEN, CROSS_PAGE, cfg, copy_gb_s))
     if not args.quick:
         rows += bench_prefill()
-    rows += bench_vision()
+    rows += bench_vision() + bench_padding_rows(False)
     if args.sweep:
         rows += sweep(cfg, copy_gb_s)
     if args.json:

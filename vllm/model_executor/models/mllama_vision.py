@@ -3,10 +3,10 @@
 Every image is encoded at the model's maximum tile count, as the reference does: padded tiles
 and the per-tile padding tokens (1601 -> 1608) take part in attention, masked only against
 each other. Instead of a dense mask, each image's tokens are permuted once so the valid tokens
-come first; then every attention layer is one maskless call over all tokens, after which the
-few padding rows are recomputed over the valid keys only. The output keeps only the valid
-tiles' tokens, with the *inputs* of the intermediate layers appended (Meta's reference; HF >=
-4.56 takes outputs).
+come first; then each attention layer runs the valid queries over all keys and the padding
+queries over the valid keys (`attention/ops/vision_attention.py`).
+The output keeps only the valid tiles' tokens, with the *inputs* of the intermediate layers
+appended (Meta's reference; HF >= 4.56 takes outputs).
 """
 
 from __future__ import annotations
@@ -16,22 +16,11 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.nn.attention import SDPBackend, sdpa_kernel
 
+from vllm.attention.ops.vision_attention import padding_rows_ranges, vision_attention
 from vllm.model_executor.layers.linear import Linear, MergedLinear
 from vllm.transformers_utils.config import VisionSpec
 from vllm.utils import to_device
-
-# cuDNN's attention is the fastest SDPA back-end for these shapes on Hopper (head_dim 80).
-_CUDA_SDPA_ORDER = [SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION,
-                    SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
-
-
-def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-    if not q.is_cuda:
-        return F.scaled_dot_product_attention(q, k, v)
-    with sdpa_kernel(_CUDA_SDPA_ORDER, set_priority=True):
-        return F.scaled_dot_product_attention(q, k, v)
 
 
 class VisionAttention(nn.Module):
@@ -45,21 +34,16 @@ class VisionAttention(nn.Module):
         self.qkv_proj = MergedLinear(d, [d, d, d], ["q", "k", "v"])
         self.o_proj = Linear(d, d)
 
-    def forward(self, x: torch.Tensor, num_valid: int) -> torch.Tensor:
-        # x: [G, L, D] with the first `num_valid` tokens of every row valid.
+    def forward(self, x: torch.Tensor, num_valid: int,
+                pad_ranges: torch.Tensor | None = None) -> torch.Tensor:
+        # x: [G, L, D] with the first `num_valid` tokens of every row valid; pad_ranges from
+        # `padding_rows_ranges` (None: the padding rows through SDPA).
         g, length, _ = x.shape
         q, k, v = self.qkv_proj.split(self.qkv_proj(x))
         q, k, v = (t.view(g, length, self.num_heads, self.head_dim).transpose(1, 2)
                    for t in (q, k, v))
-        # Valid queries see every key; padding queries see only valid keys. One maskless
-        # call computes the valid rows; the few padding rows are then redone over the
-        # valid keys (cheaper than splitting the big call and concatenating).
-        out = _sdpa(q, k, v)
-        if num_valid < length:
-            out[:, :, num_valid:] = _sdpa(q[:, :, num_valid:], k[:, :, :num_valid],
-                                          v[:, :, :num_valid])
-        out = out.transpose(1, 2).reshape(g, length, -1)
-        return self.o_proj(out)
+        # Valid queries see every key; padding queries see only valid keys.
+        return self.o_proj(vision_attention(q, k, v, num_valid, pad_ranges))
 
 
 class VisionMLP(nn.Module):
@@ -86,17 +70,19 @@ class VisionEncoderLayer(nn.Module):
             self.gate_attn = nn.Parameter(torch.zeros(1), requires_grad=False)
             self.gate_ffn = nn.Parameter(torch.zeros(1), requires_grad=False)
 
-    def forward(self, x: torch.Tensor, num_valid: int) -> torch.Tensor:
-        return _apply(*self.forward_pending(x, None, None, num_valid))
+    def forward(self, x: torch.Tensor, num_valid: int,
+                pad_ranges: torch.Tensor | None = None) -> torch.Tensor:
+        return _apply(*self.forward_pending(x, None, None, num_valid, pad_ranges))
 
     def forward_pending(self, x: torch.Tensor, delta: torch.Tensor | None,
-                        gate: torch.Tensor | None, num_valid: int
+                        gate: torch.Tensor | None, num_valid: int,
+                        pad_ranges: torch.Tensor | None = None
                         ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
         """Adds the previous layer's pending branch (``gate * delta``) and runs this layer.
         Returns (residual, MLP branch, its gate) with the branch not yet added, so the next
         norm can take the addition in the same kernel."""
         x, y = _add_norm(self.input_layernorm, x, delta, gate)
-        h = self.self_attn(y, num_valid)
+        h = self.self_attn(y, num_valid, pad_ranges)
         x, y = _add_norm(self.post_attention_layernorm, x, h,
                          self.gate_attn.tanh() if self.gated else None)
         return x, self.mlp(y), self.gate_ffn.tanh() if self.gated else None
@@ -181,6 +167,8 @@ class GroupEncoding:
     # The last layer's residual branch, not yet added to ``hidden`` (hidden + gate * delta).
     delta: torch.Tensor | None = None
     gate: torch.Tensor | None = None
+    # The padding rows' key ranges for the split attention kernel (None: SDPA does them).
+    pad_ranges: torch.Tensor | None = None
 
 
 def _valid_first_order(num_tiles: int, max_tiles: int, tokens: int, padded: int,
@@ -260,7 +248,8 @@ class MllamaVisionModel(nn.Module):
         num_valid = num_tiles * s.tokens_per_tile
         out = x.new_empty(g, num_valid, d * (1 + len(s.intermediate_layers_indices)))
         state = GroupEncoding(x.reshape(g, t * pp, d)[:, order], order, aspect_ratio_ids,
-                              num_valid, total, out)
+                              num_valid, total, out,
+                              pad_ranges=padding_rows_ranges(t * pp, num_valid, x.device))
         if not self.transformer.layers:
             state.hidden = self._post_local(state.hidden, state)
         return state
@@ -276,13 +265,15 @@ class MllamaVisionModel(nn.Module):
                 if i in inter:
                     x, delta, gate = _apply(x, delta, gate), None, None
                     self._store_feature(state, sorted(inter).index(i), x)
-                x, delta, gate = local[i].forward_pending(x, delta, gate, state.num_valid)
+                x, delta, gate = local[i].forward_pending(x, delta, gate, state.num_valid,
+                                                          state.pad_ranges)
                 if i == len(local) - 1:
                     x = self._post_local(_apply(x, delta, gate), state)
                     delta = gate = None
             else:
                 layer = self.global_transformer.layers[i - len(local)]
-                x, delta, gate = layer.forward_pending(x, delta, gate, state.num_valid)
+                x, delta, gate = layer.forward_pending(x, delta, gate, state.num_valid,
+                                                       state.pad_ranges)
         state.hidden, state.delta, state.gate, state.next_layer = x, delta, gate, stop
         return stop == state.total_layers
 
