@@ -193,19 +193,3 @@ def test_api_key_from_env(monkeypatch: pytest.MonkeyPatch) -> None:
     args = make_parser().parse_args(["serve", "m"])
     validate_parsed_serve_args(args)
     assert args.api_key == "from-env"
-
-
-def test_gil_switch_interval_from_env(monkeypatch: pytest.MonkeyPatch) -> None:
-    from vllm.entrypoints.openai.api_server import gil_switch_interval_s
-
-    monkeypatch.delenv("VLLM_GIL_SWITCH_INTERVAL_MS", raising=False)
-    assert gil_switch_interval_s() == pytest.approx(0.0005)
-    monkeypatch.setenv("VLLM_GIL_SWITCH_INTERVAL_MS", "5")
-    assert gil_switch_interval_s() == pytest.approx(0.005)
-    for bad in ("0", "-1", "fast", "nan"):
-        monkeypatch.setenv("VLLM_GIL_SWITCH_INTERVAL_MS", bad)
-        with pytest.raises(ValueError, match="VLLM_GIL_SWITCH_INTERVAL_MS"):
-            gil_switch_interval_s()
-    monkeypatch.setenv("VLLM_GIL_SWITCH_INTERVAL_MS", "fast")
-    with pytest.raises(SystemExit, match="VLLM_GIL_SWITCH_INTERVAL_MS"):
-        run_server(_serve_args("--host", "127.0.0.1", "--port", "0"))

@@ -272,24 +272,6 @@ def create_server_socket(host: str | None, port: int) -> socket.socket:
     return sock
 
 
-# The engine loop runs on a thread beside the event loop and the input workers. When another
-# thread is running Python, CPython hands the GIL to a waiting thread only after the switch
-# interval (5 ms by default); an engine step that finished waiting on the GPU can pay that
-# before it launches the next one. Env ``VLLM_GIL_SWITCH_INTERVAL_MS`` overrides it.
-DEFAULT_GIL_SWITCH_INTERVAL_MS = 0.5
-
-
-def gil_switch_interval_s() -> float:
-    raw = os.environ.get("VLLM_GIL_SWITCH_INTERVAL_MS", str(DEFAULT_GIL_SWITCH_INTERVAL_MS))
-    try:
-        value = float(raw)
-    except ValueError:
-        value = -1.0
-    if not value > 0:
-        raise ValueError(f"VLLM_GIL_SWITCH_INTERVAL_MS must be a positive number, got {raw!r}")
-    return value / 1000
-
-
 def run_server(args: argparse.Namespace) -> None:
     """Validates the flags, reserves the port, builds the engine and serves until stopped."""
     from vllm.engine.arg_utils import EngineArgs
@@ -299,7 +281,6 @@ def run_server(args: argparse.Namespace) -> None:
         load_chat_template(args.chat_template)
         ImageMediaConnector(args.allowed_local_media_path, args.allowed_image_hosts)
         max_request_body_bytes(args)
-        switch_interval = gil_switch_interval_s()
         shutdown_timeout = float(getattr(args, "shutdown_timeout", 0.0) or 0.0)
         if shutdown_timeout < 0:
             raise ValueError(f"--shutdown-timeout must be >= 0, got {shutdown_timeout}")
@@ -307,7 +288,6 @@ def run_server(args: argparse.Namespace) -> None:
     except ValueError as e:
         raise SystemExit(f"Error: {e}") from None
     sock = create_server_socket(args.host, args.port)
-    sys.setswitchinterval(switch_interval)
     try:
         engine = AsyncLLMEngine.from_engine_args(engine_args)
     except (ValueError, OSError) as e:
