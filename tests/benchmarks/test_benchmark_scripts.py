@@ -345,3 +345,16 @@ def test_run_report_smoke(tmp_path: Path) -> None:
     summary = json.loads((tmp_path / "summary.json").read_text())
     assert summary["ttft_image_ms"] > 0 and summary["ttft_over_component_floors"] > 0
     assert summary["decode_bs1_text_ms"] > 0 and summary["graph_replay_fraction"] == 1.0
+
+
+def test_ttft_tiles_smoke(tmp_path: Path) -> None:
+    """benchmarks/ttft_tiles.py --smoke: one prefill per canvas, and the processor split the
+    canvases into 1, 2, 3 and 4 tiles as the script claims."""
+    out = tmp_path / "tiles.json"
+    root = Path(__file__).resolve().parents[2]
+    proc = subprocess.run([sys.executable, "ttft_tiles.py", "--smoke", "--json", str(out)],
+                          cwd=root / "benchmarks", capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    rows = json.loads(out.read_text())["rows"]
+    assert [r["tiles"] for r in rows] == [1, 2, 3, 4]
+    assert all(r["ttft_ms"] > 0 for r in rows)
