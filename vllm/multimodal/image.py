@@ -28,13 +28,10 @@ import os
 import socket
 from collections.abc import Iterable
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 from urllib.parse import unquote, urlparse
 
 import httpx
-
-if TYPE_CHECKING:
-    from vllm.multimodal.image_pool import ImagePreprocessPool
 
 DEFAULT_FETCH_TIMEOUT_S = 5.0
 DEFAULT_MAX_IMAGE_BYTES = 20 << 20
@@ -148,11 +145,7 @@ class ImageMediaConnector:
         timeout: float | None = None,
         max_bytes: int | None = None,
         max_pixels: int | None = None,
-        pool: ImagePreprocessPool | None = None,
     ) -> None:
-        # With a pool, fetch_image_async returns PreprocessedImage (decoded and tiled in the
-        # pool's processes); without, a PIL image decoded in a thread.
-        self.pool = pool
         self.local_root = (
             Path(allowed_local_media_path).resolve() if allowed_local_media_path else None
         )
@@ -292,11 +285,7 @@ class ImageMediaConnector:
         return b"".join(chunks)
 
     async def fetch_image_async(self, url: str) -> Any:
-        """Fetches and decodes one image; decoding runs in a worker thread, or with a pool
-        (data URLs' base64 included) in its processes."""
-        if self.pool is not None:
-            source = url if url.startswith("data:") else await self.fetch_bytes_async(url)
-            return await self.pool.preprocess(source, self.max_bytes, self.max_pixels)
+        """Fetches and decodes one image; decoding runs in a worker thread."""
         data = await self.fetch_bytes_async(url)
         return await asyncio.to_thread(decode_image, data, self.max_pixels)
 

@@ -20,7 +20,6 @@ from vllm.multimodal.cross_attention import (
     image_runs,
     last_group,
 )
-from vllm.multimodal.image_pool import PreprocessedImage
 from vllm.transformers_utils.config import MllamaSpec
 
 
@@ -81,8 +80,6 @@ def _as_image_list(data: Any) -> list[Any]:
     from PIL import Image
 
     images = data if isinstance(data, (list, tuple)) else [data]
-    if images and all(isinstance(img, PreprocessedImage) for img in images):
-        return list(images)  # the server's image pool already decoded and tiled them
     for i, img in enumerate(images):
         if not isinstance(img, Image.Image):
             raise ValueError(f"multi_modal_data['image'][{i}] must be a PIL.Image.Image, "
@@ -107,19 +104,16 @@ class MllamaInputProcessor:
         self.pin_memory = pin_memory
 
     def process_images(self, images: Sequence[Any]) -> ImageInputs:
-        if isinstance(images[0], PreprocessedImage):
-            pixels = torch.stack([img.pixel_values.to(self.pixel_dtype) for img in images])
-            aspect_ratio_ids = torch.tensor([img.aspect_ratio_id for img in images])
-            num_tiles = [img.num_tiles for img in images]
-        else:
-            out = self.image_processor(images=[list(images)], return_tensors="pt")
-            num_tiles = [int(n) for n in out["num_tiles"][0]]
-            pixels = out["pixel_values"][0].to(self.pixel_dtype)
-            aspect_ratio_ids = out["aspect_ratio_ids"][0].long()
+        out = self.image_processor(images=[list(images)], return_tensors="pt")
+        num_tiles = [int(n) for n in out["num_tiles"][0]]
+        pixels = out["pixel_values"][0].to(self.pixel_dtype)
         if self.pin_memory:
             pixels = pixels.pin_memory()
-        return ImageInputs(pixel_values=pixels, aspect_ratio_ids=aspect_ratio_ids,
-                           num_tiles=num_tiles)
+        return ImageInputs(
+            pixel_values=pixels,
+            aspect_ratio_ids=out["aspect_ratio_ids"][0].long(),
+            num_tiles=num_tiles,
+        )
 
     def tokenize(self, text: str) -> list[int]:
         return list(self.tokenizer(text, add_special_tokens=True)["input_ids"])

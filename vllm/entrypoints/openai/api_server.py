@@ -54,7 +54,6 @@ from vllm.entrypoints.openai.serving_tokenization import (
 )
 from vllm.logger import init_logger
 from vllm.multimodal.image import ImageMediaConnector
-from vllm.multimodal.image_pool import ImagePreprocessPool
 from vllm.version import __version__
 
 logger = init_logger("vllm.entrypoints.openai.api_server")
@@ -113,22 +112,6 @@ def _add_exception_handlers(app: FastAPI) -> None:
         return Response(status_code=499)  # nobody is listening any more
 
 
-DEFAULT_CUDA_IMAGE_WORKERS = 4
-
-
-def image_pool(args: argparse.Namespace, engine: AsyncLLMEngine) -> ImagePreprocessPool | None:
-    """The image worker processes of ``--image-workers`` (default: 4 on CUDA, none on CPU)."""
-    workers = getattr(args, "image_workers", None)
-    if workers is None:
-        on_cuda = engine.config.device_config.device.type == "cuda"
-        workers = DEFAULT_CUDA_IMAGE_WORKERS if on_cuda else 0
-    if workers == 0:
-        return None
-    llm_engine = engine.engine
-    return ImagePreprocessPool(engine.config.model_config.model_path, workers,
-                               llm_engine.input_processor.pixel_dtype)
-
-
 def build_server_context(args: argparse.Namespace, engine: AsyncLLMEngine) -> ServerContext:
     mc = engine.config.model_config
     names = args.served_model_name or [mc.served_model_name]
@@ -137,8 +120,7 @@ def build_server_context(args: argparse.Namespace, engine: AsyncLLMEngine) -> Se
         engine=engine,
         served_model_names=names,
         model_root=str(args.model or mc.model),
-        media=ImageMediaConnector(args.allowed_local_media_path, args.allowed_image_hosts,
-                                  pool=image_pool(args, engine)),
+        media=ImageMediaConnector(args.allowed_local_media_path, args.allowed_image_hosts),
         metrics=ServerMetrics(engine, names[0], mc.max_model_len),
         chat_template=load_chat_template(args.chat_template),
         response_role=args.response_role,
@@ -311,11 +293,8 @@ def run_server(args: argparse.Namespace) -> None:
     except (ValueError, OSError) as e:
         sock.close()
         raise SystemExit(f"Error: {e}") from None
-    app = None
     try:
         app = build_app(args, engine)
-        if app.state.ctx.media.pool is not None:
-            app.state.ctx.media.pool.wait_ready()
         config = uvicorn.Config(
             app,
             log_level=args.uvicorn_log_level,
@@ -338,9 +317,6 @@ def run_server(args: argparse.Namespace) -> None:
     finally:
         engine.shutdown()
         sock.close()
-        pool = app.state.ctx.media.pool if app is not None else None
-        if pool is not None:
-            pool.shutdown()
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -100,14 +100,6 @@ def make_arg_parser(
         "adds to it.",
     )
     g.add_argument(
-        "--image-workers",
-        type=int,
-        default=None,
-        help="Processes that decode and tile request images, so that work does not hold "
-        "the GIL the engine loop needs (0: threads of the server process). Default: 4 on "
-        "CUDA, 0 on CPU.",
-    )
-    g.add_argument(
         "--enable-log-requests",
         action="store_true",
         help="Log each request's prompt and sampling parameters.",
@@ -146,7 +138,5 @@ def validate_parsed_serve_args(args: argparse.Namespace) -> None:
         raise ValueError("--enable-log-requests and --disable-log-requests conflict.")
     if not 0 <= args.port <= 65535:
         raise ValueError(f"--port must be in 0..65535, got {args.port}")
-    if args.image_workers is not None and args.image_workers < 0:
-        raise ValueError(f"--image-workers must be >= 0, got {args.image_workers}")
     if args.max_log_len is not None and args.max_log_len < 0:
         raise ValueError("--max-log-len must be non-negative")
