@@ -108,8 +108,7 @@ def padding_rows_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         sms = _num_sms(q.device.index or 0) if q.is_cuda else 1
         num_splits = split_count(num_pad, heads, num_valid, SPLIT_WAVES * sms, config)
     for i in range(g):
-        rows = (t[i].transpose(0, 1) for t in (q, k, v, out))  # [L, H, D] views
-        qi, ki, vi, oi = rows
+        qi, ki, vi, oi = (t[i].transpose(0, 1) for t in (q, k, v, out))  # [L, H, D] views
         ranged_cross_attention(qi[num_valid:], ki[:num_valid], vi[:num_valid], ranges,
                                head_dim**-0.5, out=oi[num_valid:], config=config,
                                num_splits=num_splits)
