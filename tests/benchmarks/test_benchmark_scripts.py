@@ -238,6 +238,10 @@ def _check_serve_record(rec: dict, output_len: int) -> None:
     ):
         assert rec[key] > 0, key
     assert len(rec["ttfts"]) == 8 and rec["errors"] == [""] * 8
+    assert sorted(rec["num_images"]) == [0] * 4 + [1] * 4
+    sends = rec["send_times"]
+    # Sent in the load window (before each request's first token), at most 4 at once.
+    assert all(t > 0 for t in sends) and max(sends) - min(sends) < rec["duration"]
 
 
 def test_serving_benchmark_against_scripted_server(fake_server: str, tmp_path: Path) -> None:

@@ -24,7 +24,7 @@ from vllm.outputs import RequestOutput
 from vllm.sampling_params import SamplingParams
 from vllm.transformers_utils.tokenizer import get_image_processor, get_tokenizer
 from vllm.worker.memory import determine_num_pages, fit_config_to_pages
-from vllm.worker.model_runner import EncoderJob, ModelRunner, StepHandle
+from vllm.worker.model_runner import EncoderJob, ModelRunner, RunnerStats, StepHandle
 
 logger = init_logger(__name__)
 
@@ -47,7 +47,7 @@ class LLMEngine:
     """Owns the tokenizer, input processor, scheduler and model runner."""
 
     def __init__(self, config: VllmConfig, log_stats: bool = True,
-                 async_scheduling: bool = True) -> None:
+                 async_scheduling: bool = True, warmup: bool | None = None) -> None:
         t0 = time.perf_counter()
         mc = config.model_config
         self.tokenizer = get_tokenizer(mc.tokenizer_path)
@@ -85,6 +85,11 @@ class LLMEngine:
                     "max_model_len %d, max_num_seqs %d", time.perf_counter() - t0, t_load,
                     num_pages - 1, lo.block_size, config.model_config.max_model_len,
                     config.scheduler_config.max_num_seqs)
+        # None: on CUDA only, where first uses of kernels compile (see vllm/engine/warmup.py).
+        if warmup if warmup is not None else self.runner.device.type == "cuda":
+            from vllm.engine.warmup import warm_up
+
+            warm_up(self)
 
     @classmethod
     def from_engine_args(cls, args: EngineArgs) -> LLMEngine:
@@ -146,6 +151,14 @@ class LLMEngine:
         self._drop_stale_prefill()
         if self._pending is not None and not self.scheduler.has_unfinished():
             self._collect(self._take_pending())  # only aborted sequences were in flight
+
+    def reset_counters(self) -> None:
+        """Zeroes the step counters (graph replays, host time, ...) and the preemption count."""
+        self.runner.stats = RunnerStats()
+        self.scheduler.num_preemptions = 0
+        self._tokens_since_log = [0, 0]
+        self._host_at_log = (0.0, 0)
+        self._last_log = time.monotonic()
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_unfinished() or self._pending is not None

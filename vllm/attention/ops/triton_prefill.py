@@ -135,7 +135,8 @@ def _varlen_causal_kernel(
         )
 
 
-@triton.jit
+# The token count varies with every prompt: one compiled variant for all of them.
+@triton.jit(do_not_specialize=["num_tokens"])
 def _ranged_cross_kernel(
     q_ptr,
     k_ptr,
@@ -225,7 +226,8 @@ def _ranged_cross_kernel(
         )
 
 
-@triton.jit
+# The token count varies with every prompt: one compiled variant for all of them.
+@triton.jit(do_not_specialize=["num_tokens"])
 def _split_combine_kernel(
     part_ptr,
     stats_ptr,

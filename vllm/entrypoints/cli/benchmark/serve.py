@@ -140,7 +140,8 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
     out.add_argument(
         "--save-detailed",
         action="store_true",
-        help="Also save per-request lists (lengths, TTFTs, ITLs, texts, errors).",
+        help="Also save per-request lists (lengths, TTFTs, ITLs, send times, image counts, "
+        "texts, errors).",
     )
     out.add_argument("--result-dir", default=None, help="Folder for the JSON (default: .).")
     out.add_argument("--result-filename", default=None, help="JSON file name.")
@@ -306,6 +307,10 @@ def _result_record(
             output_lens=[r.output_tokens for r in results],
             ttfts=[r.ttft for r in results],
             itls=[r.itl for r in results],
+            # time.perf_counter() at each send: CLOCK_MONOTONIC on Linux, so it lines up with
+            # timestamps taken by other processes on the same host (e.g. a server-side trace).
+            send_times=[r.send_time for r in results],
+            num_images=[r.num_images for r in results],
             generated_texts=[r.generated_text for r in results],
             errors=[r.error for r in results],
         )

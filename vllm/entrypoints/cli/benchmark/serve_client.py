@@ -146,7 +146,7 @@ async def send_request(
     chunk_times: list[float] = []
     text: list[str] = []
     usage: dict[str, Any] | None = None
-    start = time.perf_counter()
+    start = result.send_time = time.perf_counter()
     try:
         headers = {"Content-Type": "application/json", **(headers or {})}
         async with client.stream("POST", url, content=body, headers=headers) as resp:

@@ -36,6 +36,7 @@ class RequestResult:
     generated_text: str = ""
     error: str = ""
     num_images: int = 0
+    send_time: float = 0.0  # time.perf_counter() when the request was sent
 
     @property
     def tpot(self) -> float | None:

@@ -1,0 +1,80 @@
+"""Start-up warm-up (vllm/engine/warmup.py): it drives the engine through the spread encoder
+and prefill paths, leaves no trace (no request, no page, zeroed counters) and does not change
+what the engine generates afterwards (tiny model, CPU)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from PIL import Image
+
+from vllm import LLM, SamplingParams
+from vllm.engine.warmup import warm_up
+
+PARAMS = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, logprobs=2)
+
+
+def _llm() -> LLM:
+    # The serving defaults: interleaved prefill with the encoder and the prefill spread.
+    return LLM(model="demo/mllama-tiny", max_model_len=256, max_num_seqs=8,
+               limit_mm_per_prompt={"image": 2}, decode_interleave_tokens=256,
+               encoder_layers_per_step=4, prefill_layers_per_step=2)
+
+
+def _prompts() -> list:
+    rng = np.random.default_rng(3)
+    image = Image.fromarray(rng.integers(0, 256, (90, 150, 3), dtype=np.uint8))
+    return ["A text prompt about the weather",
+            {"prompt": "<|image|><|begin_of_text|>This image shows",
+             "multi_modal_data": {"image": image}}]
+
+
+def _generate(llm: LLM) -> list[tuple[list[int], list]]:
+    outs = llm.generate(_prompts(), PARAMS)
+    return [(o.outputs[0].token_ids, o.outputs[0].logprobs) for o in outs]
+
+
+@pytest.fixture(scope="module")
+def reference() -> list:
+    return _generate(_llm())
+
+
+def test_warmup_covers_spread_paths_and_leaves_engine_clean(reference: list) -> None:
+    llm = _llm()
+    engine = llm.llm_engine
+    seen = {}
+    reset = engine.reset_counters
+
+    def snapshot() -> None:
+        s = engine.runner.stats
+        seen.update(spread=s.spread_prefills, ahead=s.images_encoded_ahead,
+                    chunks=s.encoder_chunks, prefills=s.prefill_steps, steps=s.steps)
+        reset()
+
+    engine.reset_counters = snapshot
+    stats = warm_up(engine)
+    spec = engine.config.model_config.spec
+    tile_counts = {w * h for w, h in spec.vision.supported_aspect_ratios}
+    assert stats.requests >= 6 + len(tile_counts) and stats.steps > 0
+    # Images of every tile count were encoded ahead over decode steps and prefills spread.
+    assert seen["ahead"] >= max(len(tile_counts), 3)
+    assert seen["chunks"] > seen["ahead"] and seen["spread"] >= 4
+    assert seen["steps"] > seen["prefills"] > 0
+    # Nothing left behind: no request, every page free, counters zeroed.
+    assert not engine.has_unfinished_requests() and not engine.scheduler.requests
+    assert engine.kv_cache_usage() == 0.0
+    assert engine.runner.prefill_job is None and engine.runner.stats.steps == 0
+    assert not engine.runner.stats.graph_replays and engine.scheduler.num_preemptions == 0
+    engine.check_integrity()
+    # And the engine generates what a fresh one does.
+    assert _generate(llm) == reference
+
+
+def test_warmup_refuses_a_busy_engine() -> None:
+    llm = _llm()
+    engine = llm.llm_engine
+    engine.add_request("busy", "Hello", PARAMS)
+    with pytest.raises(RuntimeError, match="idle engine"):
+        warm_up(engine)
+    engine.abort_request("busy")
+    assert not engine.has_unfinished_requests()

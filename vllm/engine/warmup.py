@@ -1,0 +1,145 @@
+"""Start-up warm-up: synthetic requests through the engine's own step loop.
+
+Capture and the memory profile do not reach every kernel variant a served request can hit:
+the prefill's cache writes, cross-attention with key splits (their count follows the prompt
+length), the sampler's general path, the spread encoder and prefill. Each first use costs a
+JIT compile (Triton: 0.1-0.7 s per kernel cold, a few ms from the disk cache) or a library plan,
+and in a server that time stalls every running stream. The warm-up pays it before the first
+request: a long-running text request decodes while image prompts of every tile count, prompts
+of several lengths and a sampled request with logprobs go through the same scheduler paths as
+served traffic (whole prefills while nothing decodes, encoder and prefill spread over decode
+steps while something does). Afterwards the engine holds no request, every page is free and
+the runner's counters start from zero.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from vllm.logger import init_logger
+from vllm.sampling_params import SamplingParams
+
+logger = init_logger(__name__)
+
+WARMUP_PREFIX = "__warmup__"
+_MAX_STEPS = 20_000  # a bound on the loop; the warm-up takes a few hundred steps
+
+
+@dataclass
+class WarmupStats:
+    requests: int
+    steps: int
+    seconds: float
+
+
+def _filler(engine: Any, n: int) -> list[int]:
+    """``n`` ordinary text token ids (a sentence's tokens, repeated)."""
+    ids = [t for t in engine.input_processor.tokenize("The quick brown fox jumps over it.")
+           if t < engine.config.model_config.spec.text.vocab_size] or [1]
+    return [ids[i % len(ids)] for i in range(n)]
+
+
+def _tile_shapes(spec: Any) -> list[tuple[int, int]]:
+    """One (width, height) in tiles for every tile count the processor can produce."""
+    shapes: dict[int, tuple[int, int]] = {}
+    for w, h in spec.vision.supported_aspect_ratios:
+        shapes.setdefault(w * h, (w, h))
+    return [shapes[n] for n in sorted(shapes, reverse=True)]
+
+
+def _image(spec: Any, tiles: tuple[int, int], seed: int) -> Any:
+    import numpy as np
+    from PIL import Image
+
+    s = spec.vision.image_size
+    rng = np.random.default_rng(seed)
+    pixels = rng.integers(0, 256, size=(tiles[1] * s, tiles[0] * s, 3), dtype=np.uint8)
+    return Image.fromarray(pixels)
+
+
+def _prompts(engine: Any) -> tuple[list[Any], list[Any]]:
+    """(first wave, second wave) of ``(processed inputs, SamplingParams)``. The first wave is
+    prefilled while nothing decodes; the second while its long-running request decodes."""
+    mc = engine.config.model_config
+    spec = mc.spec
+    proc = engine.input_processor
+    max_len = mc.max_model_len
+    limit = mc.limit_images_per_prompt
+
+    def length(n: int) -> int:  # room for the image token and two outputs
+        return max(1, min(n, max_len - 8))
+
+    def text(n: int) -> Any:
+        return proc.build(_filler(engine, length(n)), None)
+
+    def with_images(n: int, shapes: list[tuple[int, int]], seed: int) -> Any:
+        ids = [spec.image_token_id] * len(shapes) + _filler(engine, length(n) - len(shapes))
+        return proc.build(ids, [_image(spec, t, seed + i) for i, t in enumerate(shapes)])
+
+    short = SamplingParams(max_tokens=2, ignore_eos=True, temperature=0.0)
+    long_runner = SamplingParams(max_tokens=max(2, max_len - 40), ignore_eos=True,
+                                 temperature=0.0)
+    sampled = SamplingParams(max_tokens=3, ignore_eos=True, temperature=0.8, top_p=0.9,
+                             top_k=20, min_p=0.01, seed=0, presence_penalty=0.1,
+                             repetition_penalty=1.1, logprobs=2, prompt_logprobs=1)
+    shapes = _tile_shapes(spec) if limit > 0 else []
+    first: list[Any] = [(text(33), long_runner)]
+    if shapes:
+        first.append((with_images(40, shapes[:1], 0), short))
+    # Prompt lengths both sides of 16-token and query-tile boundaries: the cross-attention's
+    # key split count and some kernels' specialisations follow the token count.
+    second: list[Any] = [(text(n), short) for n in (1, 64, 257)]
+    second.append((text(48), sampled))
+    # Every tile count through the spread encoder; text lengths on both sides of the
+    # cross-attention's key-split steps (one query tile of 128, two, more).
+    lengths = (17, 200, 300)
+    for i in range(max(len(shapes), len(lengths) if shapes else 0)):
+        second.append((with_images(lengths[i % 3], [shapes[i % len(shapes)]], i), short))
+    if limit >= 2 and len(shapes) >= 2:
+        second.append((with_images(60, shapes[:2], 99), short))
+    return first, second
+
+
+def warm_up(engine: Any) -> WarmupStats:
+    """Runs the warm-up requests to completion on ``engine`` (which must be idle) and resets
+    the runner's counters. Raises RuntimeError if the engine is busy or the loop overruns."""
+    if engine.has_unfinished_requests():
+        raise RuntimeError("warm_up needs an idle engine")
+    t0 = time.perf_counter()
+    first, second = _prompts(engine)
+    ids = [f"{WARMUP_PREFIX}{i}" for i in range(len(first) + len(second))]
+    for rid, (inputs, params) in zip(ids, first, strict=False):
+        engine.add_request(rid, None, params, processed=inputs)
+    runner_id = ids[0]
+    pending = set(ids[1:])
+    steps = 0
+
+    def advance() -> None:
+        nonlocal steps
+        steps += 1
+        if steps > _MAX_STEPS:
+            raise RuntimeError(f"warm-up did not finish in {_MAX_STEPS} steps")
+        for out in engine.step():
+            if out.error is not None:
+                raise RuntimeError(f"warm-up request {out.request_id} failed: {out.error!r}")
+            if out.finished:
+                pending.discard(out.request_id)
+
+    # The first wave is admitted while nothing decodes; once the long-running request has its
+    # first token, the second wave arrives and is interleaved with its decode steps.
+    while not engine.scheduler.running or engine.scheduler.waiting:
+        advance()
+    for rid, (inputs, params) in zip(ids[len(first):], second, strict=True):
+        engine.add_request(rid, None, params, processed=inputs)
+    while pending and engine.has_unfinished_requests():
+        advance()
+    engine.abort_request(runner_id)
+    while engine.has_unfinished_requests():
+        advance()
+    engine.reset_counters()
+    stats = WarmupStats(len(ids), steps, time.perf_counter() - t0)
+    logger.info("Warm-up: %d requests, %d steps in %.1f s", stats.requests, stats.steps,
+                stats.seconds)
+    return stats
