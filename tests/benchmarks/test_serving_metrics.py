@@ -96,6 +96,17 @@ def test_arrival_times_are_seeded_poisson() -> None:
 
 def test_synthetic_dataset_is_seeded_and_mixed() -> None:
     a = synthetic_dataset(8, 12, 5, image_ratio=0.5, num_images=1, image_size=24, seed=3)
+    # A length range leaves the fixed-length requests' images and choices alone.
+    c = synthetic_dataset(40, 12, 5, image_ratio=0.5, num_images=0, image_size=24, seed=3,
+                          range_ratio=0.5)
+    assert all(6 <= r.num_words <= 18 for r in c) and len({r.num_words for r in c}) > 5
+    assert [len(r.prompt.split(": ", 1)[1].split()) for r in c] == [r.num_words for r in c]
+    same = synthetic_dataset(40, 12, 5, image_ratio=0.5, num_images=0, image_size=24, seed=3,
+                             range_ratio=0.5)
+    assert [r.prompt for r in same] == [r.prompt for r in c]
+    with pytest.raises(ValueError, match="range_ratio"):
+        synthetic_dataset(2, 12, 5, image_ratio=0, num_images=0, image_size=24, seed=3,
+                          range_ratio=1.0)
     b = synthetic_dataset(8, 12, 5, image_ratio=0.5, num_images=1, image_size=24, seed=3)
     assert [r.prompt for r in a] == [r.prompt for r in b]
     assert [r.image_urls for r in a] == [r.image_urls for r in b]

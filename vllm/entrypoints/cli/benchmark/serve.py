@@ -84,6 +84,13 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
         help="Prompt length in words (about 1.3 tokens each).",
     )
     data.add_argument(
+        "--random-range-ratio",
+        dest="range_ratio",
+        type=float,
+        default=0.0,
+        help="Draw each prompt's length uniformly from input-len * [1 - r, 1 + r] (0: fixed).",
+    )
+    data.add_argument(
         "--output-len",
         "--random-output-len",
         dest="output_len",
@@ -251,6 +258,7 @@ async def benchmark(args: argparse.Namespace) -> dict[str, Any]:
             args.num_images,
             args.image_size,
             args.seed,
+            range_ratio=args.range_ratio,
         )
         endpoint = api_url[len(base_url) :]
         bodies = [

@@ -69,15 +69,26 @@ def synthetic_dataset(
     num_images: int,
     image_size: int,
     seed: int,
+    range_ratio: float = 0.0,
 ) -> list[SyntheticRequest]:
     """``num_prompts`` requests; ``round(image_ratio * num_prompts)`` of them (a seeded choice)
-    carry ``num_images`` distinct noise images. Identical arguments give identical requests."""
+    carry ``num_images`` distinct noise images. With ``range_ratio`` r > 0 each prompt's length
+    in words is drawn uniformly from [input_len * (1 - r), input_len * (1 + r)] (its own seeded
+    stream: r = 0 gives the same requests as before). Identical arguments give identical
+    requests."""
+    if not 0.0 <= range_ratio < 1.0:
+        raise ValueError(f"range_ratio must be in [0, 1), got {range_ratio}")
     rng = np.random.default_rng(seed)
+    lengths = [input_len] * num_prompts
+    if range_ratio > 0:
+        lo = max(1, round(input_len * (1 - range_ratio)))
+        hi = max(lo, round(input_len * (1 + range_ratio)))
+        lengths = np.random.default_rng([seed, 1]).integers(lo, hi + 1, num_prompts).tolist()
     with_images = round(image_ratio * num_prompts) if num_images else 0
     image_rows = set(rng.permutation(num_prompts)[:with_images].tolist())
     out = []
     for i in range(num_prompts):
-        words = rng.choice(_WORDS, size=input_len).tolist()
+        words = rng.choice(_WORDS, size=lengths[i]).tolist()
         # A distinct opening per request, so no two prompts share a long prefix.
         prompt = f"Request {i}: " + " ".join(words)
         urls = (
@@ -85,7 +96,7 @@ def synthetic_dataset(
             if i in image_rows
             else []
         )
-        out.append(SyntheticRequest(prompt, input_len, output_len, urls))
+        out.append(SyntheticRequest(prompt, lengths[i], output_len, urls))
     return out
 
 

@@ -1,0 +1,87 @@
+"""``vllm serve`` with a step trace, for finding where serving latency spikes come from.
+
+Usage: ``STEP_TRACE=trace.json python benchmarks/trace_serve.py serve MODEL [server args]``.
+Every ``LLMEngine.step()`` call is recorded as ``[start, end, running, waiting, encoder job
+before, spread prefill before, spread prefill after, outputs]`` (``time.perf_counter()``
+seconds: CLOCK_MONOTONIC on Linux, the clock of the serving benchmark's ``send_times``), and
+every Triton JIT compile as ``["jit", start, end, kernel]`` (hooks of ``triton.knobs`` where
+the installed Triton has them). The trace is written when the server exits (SIGTERM, Ctrl-C)
+or on SIGUSR1. ``benchmarks/analyze_serve_trace.py`` lines it up with a benchmark result.
+"""
+
+from __future__ import annotations
+
+import atexit
+import json
+import os
+import signal
+import sys
+import time
+
+rows: list[list[float]] = []
+events: list[list] = []
+
+
+def dump() -> None:
+    with open(os.environ["STEP_TRACE"], "w") as f:
+        json.dump({"steps": rows, "events": events}, f)
+
+
+def install_jit_hooks() -> None:
+    try:
+        from triton import knobs
+    except ImportError:  # no Triton (CPU installs) or one without knobs
+        return
+    started: dict[str, float] = {}
+
+    def before(**kw) -> bool:
+        started[str(kw.get("key"))] = time.perf_counter()
+        return False  # never skip the compile
+
+    def after(**kw) -> bool:
+        end = time.perf_counter()
+        events.append(["jit", started.pop(str(kw.get("key")), end), end,
+                       str(kw.get("repr"))[:300]])
+        return False
+
+    knobs.runtime.jit_cache_hook = before
+    knobs.runtime.jit_post_compile_hook = after
+
+
+def install_step_trace() -> None:
+    from vllm.engine import llm_engine
+
+    step = llm_engine.LLMEngine.step
+
+    def traced(self):
+        enc, job = self._encoder_job is not None, self.runner.prefill_job is not None
+        t0 = time.perf_counter()
+        out = step(self)
+        rows.append([t0, time.perf_counter(), len(self.scheduler.running),
+                     len(self.scheduler.waiting), int(enc), int(job),
+                     int(self.runner.prefill_job is not None), len(out)])
+        return out
+
+    llm_engine.LLMEngine.step = traced
+
+
+def main() -> None:
+    if "STEP_TRACE" not in os.environ:
+        sys.exit("set STEP_TRACE to the trace file to write")
+    install_jit_hooks()
+    install_step_trace()
+    atexit.register(dump)
+
+    def on_usr1(*_) -> None:
+        dump()
+        os._exit(0)
+
+    signal.signal(signal.SIGUSR1, on_usr1)
+    events.append(["start", time.perf_counter(), 0, ""])
+    from vllm.entrypoints.cli.main import main as cli
+
+    cli(sys.argv[1:])
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,50 @@
+"""``benchmarks/analyze_serve_trace.py`` on a hand-built result and step trace: chunk times are
+rebuilt from send time + TTFT + ITLs, one engine stall shows up as one burst spanning the slow
+step, and compiles during the load are listed."""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture(scope="module")
+def analyze():
+    spec = importlib.util.spec_from_file_location(
+        "analyze_serve_trace", ROOT / "benchmarks" / "analyze_serve_trace.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def _case():
+    # Two streams sent at t=100 s, tokens every 10 ms, except one 60 ms step at 100.3 s.
+    steps, t = [], 100.0
+    while t < 100.6:
+        dur = 0.06 if abs(t - 100.3) < 1e-6 else 0.01
+        steps.append([t, t + dur, 2, 0, 0, 1 if dur > 0.05 else 0, 0, 2])
+        t = round(t + dur, 6)
+    ends = [s[1] for s in steps]
+    result = {"send_times": [100.0, 100.0], "ttfts": [ends[0] - 100.0] * 2,
+              "itls": [[b - a for a, b in zip(ends, ends[1:], strict=False)]] * 2}
+    trace = {"steps": steps, "events": [["jit", 99.0, 99.5, "early_kernel[...]"],
+                                        ["jit", 100.3, 100.35, "late_kernel[...]"]]}
+    return result, trace
+
+
+def test_one_stall_is_one_burst(analyze) -> None:
+    result, trace = _case()
+    chunks = analyze.chunk_times(result)
+    assert len(chunks) == 2 * (len(trace["steps"]) - 1)
+    groups = analyze.bursts(chunks, threshold_ms=20)
+    assert len(groups) == 1 and len(groups[0]) == 2
+    assert groups[0][0][1] == pytest.approx(60.0)
+    lines = analyze.report(result, trace, threshold_ms=20)
+    assert "JIT compiles during the load: 1" in lines
+    assert any("late_kernel" in s for s in lines) and not any("early_kernel" in s for s in lines)
+    burst = next(s for s in lines if "ITLs up to" in s)
+    assert "60.0-P-" in burst  # the slow step, flagged as a spread-prefill step
