@@ -78,3 +78,16 @@ def test_warmup_refuses_a_busy_engine() -> None:
         warm_up(engine)
     engine.abort_request("busy")
     assert not engine.has_unfinished_requests()
+
+
+def test_warmup_with_one_sequence_and_short_context() -> None:
+    """A batch of one (nothing can interleave) and a context shorter than the warm-up's
+    prompts: the warm-up clips its prompts, finishes and leaves the engine idle."""
+    llm = LLM(model="demo/mllama-tiny", max_model_len=48, max_num_seqs=1,
+              limit_mm_per_prompt={"image": 1}, decode_interleave_tokens=256,
+              encoder_layers_per_step=4, prefill_layers_per_step=2)
+    engine = llm.llm_engine
+    stats = warm_up(engine)
+    assert stats.steps > 0 and not engine.has_unfinished_requests()
+    assert engine.kv_cache_usage() == 0.0
+    engine.check_integrity()
