@@ -4,7 +4,9 @@ ITLs above a threshold the engine steps it spanned.
 
 Usage: ``python benchmarks/analyze_serve_trace.py RESULT.json TRACE.json [--threshold-ms 20]``
 Step flags: E = an image encoding was pending before the step, P / p = a spread prefill was in
-progress before / after it; ``r``/``w`` = running / waiting requests after it.
+progress before / after it; ``r``/``w`` = running / waiting requests after it; with traces that
+have them, ``L``/``C`` = host ms inside the runner's launch / collect (collect mostly waits for
+the GPU, so a long step with a short collect was held up on the host).
 """
 
 from __future__ import annotations
@@ -43,8 +45,16 @@ def _flags(row: list[float]) -> str:
     return ("E" if row[4] else "-") + ("P" if row[5] else "-") + ("p" if row[6] else "-")
 
 
+def _step(row: np.ndarray) -> str:
+    text = f"{(row[1] - row[0]) * 1e3:.1f}{_flags(row)}(r{row[2]:.0f} w{row[3]:.0f}"
+    if len(row) >= 10:
+        text += f" L{row[8] * 1e3:.1f} C{row[9] * 1e3:.1f}"
+    return text + ")"
+
+
 def report(result: dict, trace: dict, threshold_ms: float = 20.0) -> list[str]:
-    steps = np.array(trace["steps"], dtype=float).reshape(-1, 8)
+    rows = trace["steps"]
+    steps = np.array(rows, dtype=float).reshape(len(rows), -1)
     start = min(result["send_times"])
     chunks = chunk_times(result)
     itl = np.array([c[1] for c in chunks])
@@ -64,8 +74,7 @@ def report(result: dict, trace: dict, threshold_ms: float = 20.0) -> list[str]:
     for g in groups:
         end, gap = g[0][0], max(c[1] for c in g) / 1e3
         near = steps[(steps[:, 1] > end - gap - 0.002) & (steps[:, 0] < end)]
-        desc = " ".join(f"{(row[1] - row[0]) * 1e3:.1f}{_flags(row)}(r{row[2]:.0f} w{row[3]:.0f})"
-                        for row in near)
+        desc = " ".join(_step(row) for row in near)
         lines.append(f"  +{end - start:.3f} s: {len(g)} ITLs up to {gap * 1e3:.1f} ms | {desc}")
     return lines
 

@@ -2,7 +2,9 @@
 
 Usage: ``STEP_TRACE=trace.json python benchmarks/trace_serve.py serve MODEL [server args]``.
 Every ``LLMEngine.step()`` call is recorded as ``[start, end, running, waiting, encoder job
-before, spread prefill before, spread prefill after, outputs]`` (``time.perf_counter()``
+before, spread prefill before, spread prefill after, outputs, launch s, collect s]`` (the last
+two: host time inside ``ModelRunner.launch`` (enqueueing work) and ``ModelRunner.collect``
+(mostly waiting for the GPU) during the call; ``time.perf_counter()
 seconds: CLOCK_MONOTONIC on Linux, the clock of the serving benchmark's ``send_times``), and
 every Triton JIT compile as ``["jit", start, end, kernel]`` (hooks of ``triton.knobs`` where
 the installed Triton has them). The trace is written when the server exits (SIGTERM, Ctrl-C)
@@ -50,16 +52,33 @@ def install_jit_hooks() -> None:
 
 def install_step_trace() -> None:
     from vllm.engine import llm_engine
+    from vllm.worker import model_runner
 
+    spent = {"launch": 0.0, "collect": 0.0}
+
+    def timed(name, fn):
+        def wrapper(*args, **kwargs):
+            t0 = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                spent[name] += time.perf_counter() - t0
+        return wrapper
+
+    runner = model_runner.ModelRunner
+    runner.launch = timed("launch", runner.launch)
+    runner.collect = timed("collect", runner.collect)
     step = llm_engine.LLMEngine.step
 
     def traced(self):
         enc, job = self._encoder_job is not None, self.runner.prefill_job is not None
+        spent["launch"] = spent["collect"] = 0.0
         t0 = time.perf_counter()
         out = step(self)
         rows.append([t0, time.perf_counter(), len(self.scheduler.running),
                      len(self.scheduler.waiting), int(enc), int(job),
-                     int(self.runner.prefill_job is not None), len(out)])
+                     int(self.runner.prefill_job is not None), len(out), spent["launch"],
+                     spent["collect"]])
         return out
 
     llm_engine.LLMEngine.step = traced

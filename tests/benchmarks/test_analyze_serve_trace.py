@@ -48,3 +48,11 @@ def test_one_stall_is_one_burst(analyze) -> None:
     assert any("late_kernel" in s for s in lines) and not any("early_kernel" in s for s in lines)
     burst = next(s for s in lines if "ITLs up to" in s)
     assert "60.0-P-" in burst  # the slow step, flagged as a spread-prefill step
+
+
+def test_launch_and_collect_columns(analyze) -> None:
+    result, trace = _case()
+    for row in trace["steps"]:  # the slow step spent 50 ms launching (a host stall)
+        row += [0.05 if row[1] - row[0] > 0.05 else 0.001, 0.004]
+    burst = next(s for s in analyze.report(result, trace, 20) if "ITLs up to" in s)
+    assert "60.0-P-(r2 w0 L50.0 C4.0)" in burst
