@@ -6,7 +6,8 @@ Usage: ``python benchmarks/analyze_serve_trace.py RESULT.json TRACE.json [--thre
 Step flags: E = an image encoding was pending before the step, P / p = a spread prefill was in
 progress before / after it; ``r``/``w`` = running / waiting requests after it; with traces that
 have them, ``L``/``C`` = host ms inside the runner's launch / collect (collect mostly waits for
-the GPU, so a long step with a short collect was held up on the host).
+the GPU, so a long step with a short collect was held up on the host) and ``A`` = prompt
+tokens admitted in the step.
 """
 
 from __future__ import annotations
@@ -49,6 +50,8 @@ def _step(row: np.ndarray) -> str:
     text = f"{(row[1] - row[0]) * 1e3:.1f}{_flags(row)}(r{row[2]:.0f} w{row[3]:.0f}"
     if len(row) >= 10:
         text += f" L{row[8] * 1e3:.1f} C{row[9] * 1e3:.1f}"
+    if len(row) >= 11 and row[10]:
+        text += f" A{row[10]:.0f}"
     return text + ")"
 
 

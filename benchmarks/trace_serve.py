@@ -2,9 +2,10 @@
 
 Usage: ``STEP_TRACE=trace.json python benchmarks/trace_serve.py serve MODEL [server args]``.
 Every ``LLMEngine.step()`` call is recorded as ``[start, end, running, waiting, encoder job
-before, spread prefill before, spread prefill after, outputs, launch s, collect s]`` (the last
-two: host time inside ``ModelRunner.launch`` (enqueueing work) and ``ModelRunner.collect``
-(mostly waiting for the GPU) during the call; ``time.perf_counter()
+before, spread prefill before, spread prefill after, outputs, launch s, collect s, prompt
+tokens admitted]`` (launch / collect: host time inside ``ModelRunner.launch`` (enqueueing
+work) and ``ModelRunner.collect`` (mostly waiting for the GPU) during the call;
+``time.perf_counter()
 seconds: CLOCK_MONOTONIC on Linux, the clock of the serving benchmark's ``send_times``), and
 every Triton JIT compile as ``["jit", start, end, kernel]`` (hooks of ``triton.knobs`` where
 the installed Triton has them). The trace is written when the server exits (SIGTERM, Ctrl-C)
@@ -51,6 +52,7 @@ def install_jit_hooks() -> None:
 
 
 def install_step_trace() -> None:
+    from vllm.core import scheduler
     from vllm.engine import llm_engine
     from vllm.worker import model_runner
 
@@ -69,16 +71,27 @@ def install_step_trace() -> None:
     runner.launch = timed("launch", runner.launch)
     runner.collect = timed("collect", runner.collect)
     step = llm_engine.LLMEngine.step
+    schedule = scheduler.Scheduler.schedule
+    admitted = {"tokens": 0}
+
+    def counted(self, *args, **kwargs):
+        out = schedule(self, *args, **kwargs)
+        if out is not None and out.is_prefill:
+            admitted["tokens"] += sum(len(s) for s in out.prefill_seqs)
+        return out
+
+    scheduler.Scheduler.schedule = counted
 
     def traced(self):
         enc, job = self._encoder_job is not None, self.runner.prefill_job is not None
         spent["launch"] = spent["collect"] = 0.0
+        admitted["tokens"] = 0
         t0 = time.perf_counter()
         out = step(self)
         rows.append([t0, time.perf_counter(), len(self.scheduler.running),
                      len(self.scheduler.waiting), int(enc), int(job),
                      int(self.runner.prefill_job is not None), len(out), spent["launch"],
-                     spent["collect"]])
+                     spent["collect"], admitted["tokens"]])
         return out
 
     llm_engine.LLMEngine.step = traced

@@ -362,3 +362,21 @@ def test_ttft_tiles_smoke(tmp_path: Path) -> None:
     rows = json.loads(out.read_text())["rows"]
     assert [r["tiles"] for r in rows] == [1, 2, 3, 4]
     assert all(r["ttft_ms"] > 0 for r in rows)
+
+
+def test_prefill_plans_smoke(tmp_path: Path) -> None:
+    """benchmarks/kernels/benchmark_prefill_plans.py --smoke: the warm-up covers every bucket
+    (one causal and one cross call each) and every figure the script reports is positive."""
+    out = tmp_path / "plans.json"
+    root = Path(__file__).resolve().parents[2]
+    proc = subprocess.run([sys.executable, "kernels/benchmark_prefill_plans.py", "--smoke",
+                           "--out", str(out)], cwd=root / "benchmarks", capture_output=True,
+                          text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    rec = json.loads(out.read_text())
+    from vllm.attention.ops.sdpa_prefill import buckets_up_to
+
+    assert rec["warm_up"]["calls"] == 2 * len(buckets_up_to(300))
+    firsts = [x for k, v in rec["first_call_ms"].items() if k != "lengths" for x in v]
+    assert len(firsts) == 4 * len(rec["first_call_ms"]["lengths"]) and min(firsts) > 0
+    assert all(r["unbucketed"] > 0 and r["bucketed"] > 0 for r in rec["steady_ms"].values())

@@ -44,6 +44,7 @@ def _run(backend: str, monkeypatch, cuda_paths: bool = False) -> list:
     from vllm.attention.backends.triton_attn import TritonBackend
 
     make = {"triton": lambda device: TritonBackend(prefill="triton"),
+            "sdpa": lambda device: TritonBackend(),  # the CUDA default: bucketed SDPA prefill
             "torch": lambda device: TorchReferenceBackend()}[backend]
     monkeypatch.setattr(model_runner, "get_attn_backend", make)
     llm = LLM(model="demo/mllama-tiny", max_model_len=256, max_num_seqs=4, dtype="float32",
@@ -51,7 +52,7 @@ def _run(backend: str, monkeypatch, cuda_paths: bool = False) -> list:
               encoder_layers_per_step=2, prefill_layers_per_step=2)
     engine = llm.llm_engine
     kind = type(engine.runner.model.language_model.model.layers[0].self_attn.attn.backend)
-    assert kind is {"torch": TorchReferenceBackend, "triton": TritonBackend}[backend]
+    assert kind is (TorchReferenceBackend if backend == "torch" else TritonBackend)
     if cuda_paths:
         force_cuda_code_paths(monkeypatch)
     params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True, logprobs=3)
@@ -81,6 +82,10 @@ def reference() -> list:
 
 def test_triton_attention_backend_matches_reference(reference, monkeypatch) -> None:
     check_logprobs_close(reference, _run("triton", monkeypatch), "torch_ref", "triton")
+
+
+def test_bucketed_sdpa_prefill_backend_matches_reference(reference, monkeypatch) -> None:
+    check_logprobs_close(reference, _run("sdpa", monkeypatch), "torch_ref", "sdpa prefill")
 
 
 def test_cuda_code_paths_match_reference(reference, monkeypatch) -> None:

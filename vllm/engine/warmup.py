@@ -32,6 +32,19 @@ class WarmupStats:
     requests: int
     steps: int
     seconds: float
+    prefill_plans: int = 0  # attention calls made to build per-shape plans
+
+
+def _warm_prefill_plans(engine: Any) -> int:
+    """Prefill attention of every length bucket a prompt can take (the back-end's plans
+    per shape: cuDNN's cost ~40 ms each on first use, see ``attention/ops/sdpa_prefill.py``)."""
+    mc, sc = engine.config.model_config, engine.config.scheduler_config
+    text = mc.spec.text
+    per_image = mc.spec.max_vision_tokens_per_image
+    return engine.runner.backend.warm_up_prefill(
+        min(mc.max_model_len, sc.max_num_batched_tokens), text.num_attention_heads,
+        text.num_key_value_heads, text.head_dim, mc.dtype, engine.runner.device,
+        [j * per_image for j in range(1, mc.limit_images_per_prompt + 1)])
 
 
 def _sentence(engine: Any) -> list[int]:
@@ -114,6 +127,7 @@ def warm_up(engine: Any) -> WarmupStats:
     if engine.has_unfinished_requests():
         raise RuntimeError("warm_up needs an idle engine")
     t0 = time.perf_counter()
+    plans = _warm_prefill_plans(engine)
     first, second = _prompts(engine)
     ids = [f"{WARMUP_PREFIX}{i}" for i in range(len(first) + len(second))]
     for rid, (inputs, params) in zip(ids[:len(first)], first, strict=True):
@@ -145,7 +159,7 @@ def warm_up(engine: Any) -> WarmupStats:
     while engine.has_unfinished_requests():
         advance()
     engine.reset_counters()
-    stats = WarmupStats(len(ids), steps, time.perf_counter() - t0)
-    logger.info("Warm-up: %d requests, %d steps in %.1f s", stats.requests, stats.steps,
-                stats.seconds)
+    stats = WarmupStats(len(ids), steps, time.perf_counter() - t0, plans)
+    logger.info("Warm-up: %d prefill shapes, %d requests, %d steps in %.1f s",
+                stats.prefill_plans, stats.requests, stats.steps, stats.seconds)
     return stats

@@ -46,6 +46,14 @@ class AttentionBackend(Protocol):
         md: AttentionMetadata, scale: float,
     ) -> torch.Tensor: ...
 
+    def warm_up_prefill(
+        self, max_len: int, num_heads: int, num_kv_heads: int, head_dim: int,
+        dtype: torch.dtype, device: torch.device, cross_kv_lens: list[int],
+    ) -> int:
+        """Pays one-time costs of prefill shapes (library plans) for prompts of up to
+        ``max_len`` tokens and the given vision lengths; returns the number of calls made."""
+        ...
+
 
 class RopeFusingBackend(AttentionBackend, Protocol):
     """A back-end that applies RoPE and writes the KV cache in one kernel (``fuses_rope``)."""

@@ -37,3 +37,7 @@ class TorchReferenceBackend:
         return ref.paged_decode_attention(
             query, key_cache, value_cache, md.cross_block_tables, md.encoder_seq_lens_tensor,
             scale)
+
+    def warm_up_prefill(self, max_len, num_heads, num_kv_heads, head_dim, dtype, device,
+                        cross_kv_lens) -> int:
+        return 0  # plain torch on the CPU: nothing is planned per shape

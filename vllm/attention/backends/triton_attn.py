@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 
 from vllm.attention.metadata import AttentionMetadata
-from vllm.attention.ops import reference as ref
+from vllm.attention.ops import sdpa_prefill
 from vllm.attention.ops.triton_decode import DecodeConfig, paged_decode_attention
 from vllm.attention.ops.triton_kv_write import rope_and_write_kv_cache, write_kv_cache
 from vllm.attention.ops.triton_prefill import (
@@ -41,7 +41,8 @@ class TritonBackend:
         self.decode_config = decode_config
         # Prefill kernel: torch SDPA (cuDNN on Hopper) measured faster than our Triton
         # kernels on the H200 (8k causal GQA: 0.92 vs 1.35 ms; 1k x 6404 ranged cross:
-        # 0.19 vs 0.31 ms), so it is the default; "triton" keeps the Triton kernels. Cross
+        # 0.19 vs 0.31 ms), so it is the default, on bucketed lengths (``sdpa_prefill``:
+        # cuDNN plans a new shape for ~40 ms); "triton" keeps the Triton kernels. Cross
         # prefills too small to fill the GPU take the key-split Triton kernel either way.
         if prefill not in ("sdpa", "triton"):
             raise ValueError(f"prefill must be 'sdpa' or 'triton', got {prefill!r}")
@@ -84,7 +85,7 @@ class TritonBackend:
         # query: [T, Hq, D], key/value: [T, Hkv, D] -> [T, Hq, D]
         assert md.seq_lens is not None
         if self.prefill == "sdpa":
-            return ref.varlen_causal_attention(query, key, value, md.seq_lens, scale)
+            return sdpa_prefill.causal_attention(query, key, value, md.seq_lens, scale)
         query_start_loc = md.query_start_loc
         if query_start_loc is None:
             starts = [0]
@@ -94,6 +95,16 @@ class TritonBackend:
         return varlen_causal_attention(
             query, key, value, query_start_loc, max(md.seq_lens, default=0), scale
         )
+
+    def warm_up_prefill(self, max_len: int, num_heads: int, num_kv_heads: int, head_dim: int,
+                        dtype: torch.dtype, device: torch.device,
+                        cross_kv_lens: list[int]) -> int:
+        """Builds the SDPA plans of every prefill length bucket up to ``max_len`` (self and
+        cross over each vision length in ``cross_kv_lens``); returns the number of calls."""
+        if self.prefill != "sdpa":
+            return 0
+        return sdpa_prefill.warm_up_plans(max_len, num_heads, num_kv_heads, head_dim, dtype,
+                                          device, cross_kv_lens)
 
     def decode_self(
         self,
@@ -127,7 +138,8 @@ class TritonBackend:
         splits = self._cross_splits(query, key)
         if self.prefill == "sdpa" and splits == 1:
             assert md.cross_range_runs is not None
-            return ref.ranged_cross_attention(query, key, value, md.cross_range_runs, scale)
+            return sdpa_prefill.ranged_cross_attention(query, key, value, md.cross_range_runs,
+                                                       scale)
         if key.shape[0] == 0:  # host shape: no vision token in the step
             return torch.zeros_like(query)
         # Few queries over many vision tokens (one image prompt's text): SDPA and the
