@@ -2,12 +2,15 @@
 ITL percentiles, step-time percentiles, JIT compiles during the load, and for each burst of
 ITLs above a threshold the engine steps it spanned.
 
-Usage: ``python benchmarks/analyze_serve_trace.py RESULT.json TRACE.json [--threshold-ms 20]``
+Usage: ``python benchmarks/analyze_serve_trace.py RESULT.json [TRACE.json] [--threshold-ms 20]
+[--by-length]`` (``--by-length``: stalls around each request's prefill, split by whether its
+prompt length is new in the run; needs no trace).
 Step flags: E = an image encoding was pending before the step, P / p = a spread prefill was in
 progress before / after it; ``r``/``w`` = running / waiting requests after it; with traces that
 have them, ``L``/``C`` = host ms inside the runner's launch / collect (collect mostly waits for
-the GPU, so a long step with a short collect was held up on the host) and ``A`` = prompt
-tokens admitted in the step.
+the GPU, so a long step with a short collect was held up on the host), ``A`` = prompt
+tokens admitted in the step and ``M/F/R`` = the caching allocator's cudaMallocs, cudaFrees
+and retries since the previous step (shown when any is non-zero).
 """
 
 from __future__ import annotations
@@ -52,6 +55,8 @@ def _step(row: np.ndarray) -> str:
         text += f" L{row[8] * 1e3:.1f} C{row[9] * 1e3:.1f}"
     if len(row) >= 11 and row[10]:
         text += f" A{row[10]:.0f}"
+    if len(row) >= 14 and (row[11] or row[12] or row[13]):
+        text += f" M{row[11]:.0f}/F{row[12]:.0f}/R{row[13]:.0f}"
     return text + ")"
 
 
@@ -82,14 +87,55 @@ def report(result: dict, trace: dict, threshold_ms: float = 20.0) -> list[str]:
     return lines
 
 
+def by_length(result: dict, threshold_ms: float = 20.0,
+              window_s: tuple[float, float] = (0.070, 0.030)) -> list[str]:
+    """Whether a request's prefill comes with a stall, split by whether its (prompt length,
+    image count) is the first of its kind in the run: for each request, the longest ITL
+    (any stream) ending ``window_s[0]``..``window_s[1]`` before its first token, the span of
+    a spread prefill's steps (needs the result's ``input_lens`` and ``num_images``)."""
+    chunks = chunk_times(result)
+    ends = np.array([c[0] for c in chunks])
+    gaps = np.array([c[1] for c in chunks])
+    firsts = sorted((sent + ttft, n, k) for sent, ttft, n, k in zip(
+        result["send_times"], result["ttfts"], result["input_lens"], result["num_images"],
+        strict=True))
+    seen: set[tuple[int, int]] = set()
+    groups: dict[str, list[float]] = {"first of its length": [], "repeated length": []}
+    for t, n, k in firsts:
+        near = (ends > t - window_s[0]) & (ends < t - window_s[1])
+        worst = float(gaps[near].max()) if near.any() else 0.0
+        groups["repeated length" if (n, k) in seen else "first of its length"].append(worst)
+        seen.add((n, k))
+    lines = [f"requests by prompt length ({len(seen)} distinct (length, images) of "
+             f"{len(firsts)}): longest ITL {window_s[0] * 1e3:.0f}-{window_s[1] * 1e3:.0f} ms "
+             "before the first token"]
+    for name, worst in groups.items():
+        if worst:
+            over = sum(w > threshold_ms for w in worst)
+            lines.append(f"  {name}: {len(worst)} requests, {over} above {threshold_ms:g} ms, "
+                         f"median {np.median(worst):.1f} ms")
+    return lines
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("result")
-    p.add_argument("trace")
+    p.add_argument("trace", nargs="?", help="trace_serve.py output (omit with --by-length)")
     p.add_argument("--threshold-ms", type=float, default=20.0)
+    p.add_argument("--by-length", action="store_true",
+                   help="also split requests by first-seen vs repeated prompt length")
     a = p.parse_args()
-    with open(a.result) as f, open(a.trace) as g:
-        print("\n".join(report(json.load(f), json.load(g), a.threshold_ms)))
+    if a.trace is None and not a.by_length:
+        p.error("give a trace, or --by-length")
+    with open(a.result) as f:
+        result = json.load(f)
+    lines = []
+    if a.trace is not None:
+        with open(a.trace) as g:
+            lines += report(result, json.load(g), a.threshold_ms)
+    if a.by_length:
+        lines += by_length(result, a.threshold_ms)
+    print("\n".join(lines))
 
 
 if __name__ == "__main__":

@@ -3,13 +3,13 @@
 Usage: ``STEP_TRACE=trace.json python benchmarks/trace_serve.py serve MODEL [server args]``.
 Every ``LLMEngine.step()`` call is recorded as ``[start, end, running, waiting, encoder job
 before, spread prefill before, spread prefill after, outputs, launch s, collect s, prompt
-tokens admitted]`` (launch / collect: host time inside ``ModelRunner.launch`` (enqueueing
-work) and ``ModelRunner.collect`` (mostly waiting for the GPU) during the call;
-``time.perf_counter()
-seconds: CLOCK_MONOTONIC on Linux, the clock of the serving benchmark's ``send_times``), and
-every Triton JIT compile as ``["jit", start, end, kernel]`` (hooks of ``triton.knobs`` where
-the installed Triton has them). The trace is written when the server exits (SIGTERM, Ctrl-C)
-or on SIGUSR1. ``benchmarks/analyze_serve_trace.py`` lines it up with a benchmark result.
+tokens admitted, cudaMallocs, cudaFrees, allocator retries]`` (launch / collect: host time
+inside ``ModelRunner.launch`` (enqueueing work) and ``ModelRunner.collect`` (mostly waiting for
+the GPU) during the call; ``time.perf_counter() seconds: CLOCK_MONOTONIC on Linux, the clock of
+the serving benchmark's ``send_times``), and every Triton JIT compile as ``["jit", start, end,
+kernel]`` (hooks of ``triton.knobs`` where the installed Triton has them). The trace is written
+when the server exits (SIGTERM, Ctrl-C) or on SIGUSR1. ``benchmarks/analyze_serve_trace.py``
+lines it up with a benchmark result.
 """
 
 from __future__ import annotations
@@ -52,6 +52,8 @@ def install_jit_hooks() -> None:
 
 
 def install_step_trace() -> None:
+    import torch
+
     from vllm.core import scheduler
     from vllm.engine import llm_engine
     from vllm.worker import model_runner
@@ -81,6 +83,21 @@ def install_step_trace() -> None:
         return out
 
     scheduler.Scheduler.schedule = counted
+    last = {"alloc": 0, "free": 0, "retry": 0}
+
+    def allocator_deltas() -> list[int]:
+        """cudaMalloc / cudaFree calls and allocation retries (a retry frees the cache,
+        which synchronises the device) of the caching allocator since the last step."""
+        if not torch.cuda.is_available():
+            return [0, 0, 0]
+        st = torch.cuda.memory_stats()
+        now = {"alloc": st.get("num_device_alloc", 0), "free": st.get("num_device_free", 0),
+               "retry": st.get("num_alloc_retries", 0)}
+        out = [now[k] - last[k] for k in ("alloc", "free", "retry")]
+        last.update(now)
+        return out
+
+    allocator_deltas()
 
     def traced(self):
         enc, job = self._encoder_job is not None, self.runner.prefill_job is not None
@@ -91,7 +108,7 @@ def install_step_trace() -> None:
         rows.append([t0, time.perf_counter(), len(self.scheduler.running),
                      len(self.scheduler.waiting), int(enc), int(job),
                      int(self.runner.prefill_job is not None), len(out), spent["launch"],
-                     spent["collect"], admitted["tokens"]])
+                     spent["collect"], admitted["tokens"], *allocator_deltas()])
         return out
 
     llm_engine.LLMEngine.step = traced

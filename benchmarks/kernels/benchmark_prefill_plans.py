@@ -2,12 +2,13 @@
 (``vllm/attention/ops/sdpa_prefill.py``), the warm-up that builds every bucket's plan, and the
 steady-state cost of the padding.
 
-Inputs are laid out as the model hands them over (q/k/v: views of one fused projection;
-vision K/V of whole 4-tile images). Times are host wall-clock around one synchronised call
-(first calls) and ``triton.testing.do_bench`` medians (steady state).
+Inputs are laid out as the model hands them over (q/k/v: views of one fused projection; vision
+K/V of whole 4-tile images); the kernels each variant launches (which SDPA back-end torch
+picked for that layout) are listed on CUDA. Times are host wall-clock around one synchronised
+call (first calls) and ``triton.testing.do_bench`` medians (steady state).
 
-Usage: ``python benchmarks/kernels/benchmark_prefill_plans.py [--out FILE.json]``
-(``--smoke``: tiny heads and lengths, CPU-friendly).
+Usage: ``python benchmarks/kernels/benchmark_prefill_plans.py [--out FILE.json]`` (``--smoke``:
+tiny heads and lengths, CPU-friendly).
 """
 
 from __future__ import annotations
@@ -43,6 +44,22 @@ def _median_ms(fn: Callable[[], object], device: torch.device) -> float:
         return float(triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median"))
     times = sorted(_wall_ms(fn, device) for _ in range(5))
     return times[len(times) // 2]
+
+
+def _kernels(fn: Callable[[], object], device: torch.device) -> list[str]:
+    """Names of the device kernels one call launches (which SDPA back-end ran)."""
+    if device.type != "cuda":
+        return []
+    from torch.profiler import ProfilerActivity, profile
+
+    try:
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            fn()
+            torch.cuda.synchronize()
+        names = {e.key for e in prof.key_averages() if e.device_type.name == "CUDA"}
+    except Exception as e:  # a diagnostic: never lose the timings above to it
+        return [f"profiler failed: {e!r}"[:200]]
+    return sorted(n[:80] for n in names)
 
 
 def main() -> None:
@@ -100,6 +117,15 @@ def main() -> None:
                                         "bucketed": _median_ms(make(new, n), device),
                                         "bucket": sdpa_prefill.bucket_len(n)}
     results["steady_ms"] = steady_ms
+    n = steady[0]
+    results["kernels"] = {
+        "causal_engine_layout": _kernels(causal(ref.varlen_causal_attention, n), device),
+        "causal_contiguous": _kernels(lambda: ref.varlen_causal_attention(
+            q_all[:n].contiguous(), k_all[:n].contiguous(), v_all[:n].contiguous(), [n],
+            scale), device),
+        "causal_bucketed": _kernels(causal(sdpa_prefill.causal_attention, n), device),
+        "cross_unbucketed": _kernels(cross(ref.ranged_cross_attention, n), device),
+        "cross_bucketed": _kernels(cross(sdpa_prefill.ranged_cross_attention, n), device)}
     if args.out:
         with open(args.out, "w") as f:
             json.dump(results, f, indent=1)
@@ -111,6 +137,8 @@ def main() -> None:
     print("steady state (ms): unbucketed / bucketed (bucket)")
     for key, r in steady_ms.items():
         print(f"  {key:12s} {r['unbucketed']:.4f} / {r['bucketed']:.4f} ({r['bucket']})")
+    for key, names in results["kernels"].items():
+        print(f"  kernels {key}: {' | '.join(names)}")
 
 
 if __name__ == "__main__":

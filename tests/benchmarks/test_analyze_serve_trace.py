@@ -56,3 +56,28 @@ def test_launch_and_collect_columns(analyze) -> None:
         row += [0.05 if row[1] - row[0] > 0.05 else 0.001, 0.004]
     burst = next(s for s in analyze.report(result, trace, 20) if "ITLs up to" in s)
     assert "60.0-P-(r2 w0 L50.0 C4.0)" in burst
+
+
+def test_admitted_tokens_and_allocator_columns(analyze) -> None:
+    result, trace = _case()
+    for row in trace["steps"]:
+        slow = row[1] - row[0] > 0.05
+        row += [0.001, 0.004, 300 if slow else 0, 2 if slow else 0, 0, 1 if slow else 0]
+    lines = analyze.report(result, trace, 20)
+    burst = next(s for s in lines if "ITLs up to" in s)
+    assert "60.0-P-(r2 w0 L1.0 C4.0 A300 M2/F0/R1)" in burst
+    assert "0.0 A" not in burst and "M0" not in burst  # quiet steps show neither
+
+
+def test_by_length_splits_first_seen_from_repeated_lengths(analyze) -> None:
+    # One stream decoding every 10 ms from t=0 with a 60 ms stall ending at 0.50 s; three
+    # other requests' first tokens: 0.55 s (new length, the stall 50 ms before it), 1.0 s
+    # (the same length again) and 1.5 s (new length, no stall before it).
+    itls = [0.01] * 44 + [0.06] + [0.01] * 100
+    result = {"send_times": [0.0, 0.0, 0.0, 0.0], "ttfts": [0.01, 0.55, 1.0, 1.5],
+              "itls": [itls, [], [], []], "input_lens": [7, 200, 200, 300],
+              "num_images": [0, 1, 1, 1]}
+    lines = analyze.by_length(result, threshold_ms=20)
+    assert "(3 distinct (length, images) of 4)" in lines[0]
+    assert "first of its length: 3 requests, 1 above 20 ms" in lines[1]
+    assert "repeated length: 1 requests, 0 above 20 ms" in lines[2]

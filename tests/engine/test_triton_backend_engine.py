@@ -44,7 +44,7 @@ def _run(backend: str, monkeypatch, cuda_paths: bool = False) -> list:
     from vllm.attention.backends.triton_attn import TritonBackend
 
     make = {"triton": lambda device: TritonBackend(prefill="triton"),
-            "sdpa": lambda device: TritonBackend(),  # the CUDA default: bucketed SDPA prefill
+            "sdpa_buckets": lambda device: TritonBackend(prefill="sdpa_buckets"),
             "torch": lambda device: TorchReferenceBackend()}[backend]
     monkeypatch.setattr(model_runner, "get_attn_backend", make)
     llm = LLM(model="demo/mllama-tiny", max_model_len=256, max_num_seqs=4, dtype="float32",
@@ -85,7 +85,8 @@ def test_triton_attention_backend_matches_reference(reference, monkeypatch) -> N
 
 
 def test_bucketed_sdpa_prefill_backend_matches_reference(reference, monkeypatch) -> None:
-    check_logprobs_close(reference, _run("sdpa", monkeypatch), "torch_ref", "sdpa prefill")
+    check_logprobs_close(reference, _run("sdpa_buckets", monkeypatch), "torch_ref",
+                         "sdpa_buckets")
 
 
 def test_cuda_code_paths_match_reference(reference, monkeypatch) -> None:

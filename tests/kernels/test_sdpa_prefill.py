@@ -111,12 +111,12 @@ def test_warm_up_plans_covers_every_bucket(sdpa_calls: list[tuple]) -> None:
     assert calls == len(sdpa_calls) == 3 * len(buckets)
     assert {(c[0][2], c[1][2]) for c in sdpa_calls} == (
         {(b, b) for b in buckets} | {(b, s) for b in buckets for s in (20, 40)})
-    assert TorchReferenceBackend().warm_up_prefill(300, HQ, HKV, D, torch.float32, DEVICE,
-                                                   [20]) == 0
+    for other in (TorchReferenceBackend(), TritonBackend(), TritonBackend(prefill="triton")):
+        assert other.warm_up_prefill(300, HQ, HKV, D, torch.float32, DEVICE, [20]) == 0
 
 
 def test_backend_sdpa_prefill_matches_reference_backend(nan_buffers: None) -> None:
-    """The default (SDPA) Triton back-end's prefill methods give TORCH_REF's results."""
+    """The bucketed-SDPA Triton back-end's prefill methods give TORCH_REF's results."""
     gen = torch.Generator().manual_seed(3)
     lens = [5, 40]
     q, k, v = _fused_qkv(sum(lens), gen)
@@ -130,7 +130,7 @@ def test_backend_sdpa_prefill_matches_reference_backend(nan_buffers: None) -> No
         cross_kv_ranges=torch.tensor([[0, 0]] * 5 + [[0, 24]] * 40, dtype=torch.int32,
                                      device=DEVICE),
         cross_range_runs=runs)
-    fast, oracle = TritonBackend(), TorchReferenceBackend()
+    fast, oracle = TritonBackend(prefill="sdpa_buckets"), TorchReferenceBackend()
     torch.testing.assert_close(fast.prefill_self(q, k, v, md, 0.2),
                                oracle.prefill_self(q, k, v, md, 0.2), **TOL)
     if DEVICE.type == "cpu":  # on CUDA, 45 queries take the key-split kernel instead
@@ -147,3 +147,19 @@ def test_fused_rows_only_for_adjacent_views() -> None:
     assert torch.equal(fused[:, :HQ], q) and torch.equal(fused[:, HQ + HKV:], v)
     assert sdpa_prefill._fused_rows(q, v, k) is None  # not in q, k, v order
     assert sdpa_prefill._fused_rows(q.contiguous(), k, v) is None
+
+
+def test_selector_reads_the_prefill_choice(monkeypatch: pytest.MonkeyPatch) -> None:
+    from vllm.attention import selector
+
+    cuda = torch.device("cuda")
+    for choice in ("sdpa", "sdpa_buckets", "triton"):
+        monkeypatch.setenv("VLLM_PREFILL_ATTENTION", choice)
+        backend = selector.get_attn_backend(cuda)
+        assert isinstance(backend, TritonBackend) and backend.prefill == choice
+    monkeypatch.setenv("VLLM_PREFILL_ATTENTION", "flash")
+    with pytest.raises(ValueError, match="VLLM_PREFILL_ATTENTION must be one of"):
+        selector.get_attn_backend(cuda)
+    monkeypatch.delenv("VLLM_PREFILL_ATTENTION")
+    assert selector.get_attn_backend(cuda).prefill == "sdpa"
+    assert isinstance(selector.get_attn_backend(torch.device("cpu")), TorchReferenceBackend)

@@ -11,6 +11,7 @@ from __future__ import annotations
 import torch
 
 from vllm.attention.metadata import AttentionMetadata
+from vllm.attention.ops import reference as ref
 from vllm.attention.ops import sdpa_prefill
 from vllm.attention.ops.triton_decode import DecodeConfig, paged_decode_attention
 from vllm.attention.ops.triton_kv_write import rope_and_write_kv_cache, write_kv_cache
@@ -21,6 +22,8 @@ from vllm.attention.ops.triton_prefill import (
     varlen_causal_attention,
 )
 from vllm.utils import to_device
+
+PREFILL_CHOICES = ("sdpa", "sdpa_buckets", "triton")
 
 
 class TritonBackend:
@@ -41,11 +44,12 @@ class TritonBackend:
         self.decode_config = decode_config
         # Prefill kernel: torch SDPA (cuDNN on Hopper) measured faster than our Triton
         # kernels on the H200 (8k causal GQA: 0.92 vs 1.35 ms; 1k x 6404 ranged cross:
-        # 0.19 vs 0.31 ms), so it is the default, on bucketed lengths (``sdpa_prefill``:
-        # cuDNN plans a new shape for ~40 ms); "triton" keeps the Triton kernels. Cross
+        # 0.19 vs 0.31 ms), so it is the default; "sdpa_buckets" pads prompt lengths to a
+        # bounded set of shapes whose cuDNN plans the warm-up builds (``sdpa_prefill``; a
+        # new shape costs ~40 ms of planning); "triton" keeps the Triton kernels. Cross
         # prefills too small to fill the GPU take the key-split Triton kernel either way.
-        if prefill not in ("sdpa", "triton"):
-            raise ValueError(f"prefill must be 'sdpa' or 'triton', got {prefill!r}")
+        if prefill not in PREFILL_CHOICES:
+            raise ValueError(f"prefill must be one of {PREFILL_CHOICES}, got {prefill!r}")
         self.prefill = prefill
         self._num_sms: int | None = None
 
@@ -85,6 +89,8 @@ class TritonBackend:
         # query: [T, Hq, D], key/value: [T, Hkv, D] -> [T, Hq, D]
         assert md.seq_lens is not None
         if self.prefill == "sdpa":
+            return ref.varlen_causal_attention(query, key, value, md.seq_lens, scale)
+        if self.prefill == "sdpa_buckets":
             return sdpa_prefill.causal_attention(query, key, value, md.seq_lens, scale)
         query_start_loc = md.query_start_loc
         if query_start_loc is None:
@@ -101,7 +107,7 @@ class TritonBackend:
                         cross_kv_lens: list[int]) -> int:
         """Builds the SDPA plans of every prefill length bucket up to ``max_len`` (self and
         cross over each vision length in ``cross_kv_lens``); returns the number of calls."""
-        if self.prefill != "sdpa":
+        if self.prefill != "sdpa_buckets":
             return 0
         return sdpa_prefill.warm_up_plans(max_len, num_heads, num_kv_heads, head_dim, dtype,
                                           device, cross_kv_lens)
@@ -136,10 +142,11 @@ class TritonBackend:
         # query: [T, Hq, D], key/value: [S, Hkv, D] packed vision tokens -> [T, Hq, D]
         assert md.cross_kv_ranges is not None
         splits = self._cross_splits(query, key)
-        if self.prefill == "sdpa" and splits == 1:
+        if self.prefill != "triton" and splits == 1:
             assert md.cross_range_runs is not None
-            return sdpa_prefill.ranged_cross_attention(query, key, value, md.cross_range_runs,
-                                                       scale)
+            attend = (sdpa_prefill.ranged_cross_attention if self.prefill == "sdpa_buckets"
+                      else ref.ranged_cross_attention)
+            return attend(query, key, value, md.cross_range_runs, scale)
         if key.shape[0] == 0:  # host shape: no vision token in the step
             return torch.zeros_like(query)
         # Few queries over many vision tokens (one image prompt's text): SDPA and the

@@ -1,0 +1,33 @@
+#!/usr/bin/env bash
+# Prefill attention variants on one GPU under varied prompt lengths: the first-call cost of a
+# new length per variant (benchmarks/kernels/benchmark_prefill_plans.py), then traced serving
+# runs (tools/gpu_serving.sh, --random-range-ratio 0.5) alternating VLLM_PREFILL_ATTENTION,
+# each analysed by stall and by first-seen prompt length. Prints a table last.
+# Usage (repository root, offline GPU machine):
+#   VARIANTS="sdpa sdpa_buckets" ROUNDS=2 RANGE=0.5 bash tools/gpu_prefill_ab.sh
+set -uo pipefail
+source tools/gpu_env.sh || exit 1
+VARIANTS=${VARIANTS:-sdpa sdpa_buckets}
+ROUNDS=${ROUNDS:-2}
+RANGE=${RANGE:-0.5}
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$OUT/gpu.txt"
+python3 -c "import torch, triton, transformers; print('torch', torch.__version__, 'triton', \
+triton.__version__, 'transformers', transformers.__version__)" | tee -a "$OUT/gpu.txt"
+timeout 300 python3 benchmarks/kernels/benchmark_prefill_plans.py --out "$OUT/prefill_plans.json" \
+  >"$OUT/prefill_plans.log" 2>&1
+tail -22 "$OUT/prefill_plans.log"
+for i in $(seq 1 "$ROUNDS"); do
+  for v in $VARIANTS; do
+    tag="range${RANGE}_${v}_$i"
+    VLLM_PREFILL_ATTENTION=$v TAG=$tag TRACE=1 BENCH_ARGS="--random-range-ratio $RANGE" \
+      timeout 400 bash tools/gpu_serving.sh >"$OUT/$tag.out" 2>&1
+    python3 benchmarks/analyze_serve_trace.py "$OUT/$tag.json" --by-length \
+      >>"$OUT/$tag.analysis.txt" 2>&1
+    grep -h "Warm-up" "$OUT/$tag.server.log" | tail -1 | cut -c1-150
+  done
+done
+echo "variant / round: ITL median, p99 (ratio) | stalls around prefills by prompt length"
+for f in "$OUT"/range*.analysis.txt; do
+  echo "$(basename "$f" .analysis.txt): $(head -1 "$f" | cut -d: -f2-) |$(grep -h "first of its" "$f" \
+    | cut -d: -f2)"
+done
