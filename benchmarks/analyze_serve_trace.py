@@ -77,12 +77,24 @@ def report(result: dict, trace: dict, threshold_ms: float = 20.0) -> list[str]:
     jit = [e for e in trace["events"] if e[0] == "jit" and e[1] > start]
     lines.append(f"JIT compiles during the load: {len(jit)}")
     lines += [f"  +{e[1] - start:.3f} s {(e[2] - e[1]) * 1e3:.1f} ms {e[3][:100]}" for e in jit]
+    slow = sorted((e for e in trace["events"] if e[0] == "slow" and e[1] > start),
+                  key=lambda e: e[1] - e[2])
+    if slow:
+        total = sum(e[2] - e[1] for e in slow) * 1e3
+        lines.append(f"host calls over 1 ms during the load: {len(slow)} ({total:.1f} ms), "
+                     "longest:")
+        lines += [f"  +{e[1] - start:.3f} s {(e[2] - e[1]) * 1e3:.1f} ms {e[3][:120]}"
+                  for e in slow[:8]]
     groups = bursts(chunks, threshold_ms)
     lines.append(f"{sum(map(len, groups))} ITLs > {threshold_ms:g} ms in {len(groups)} bursts")
     for g in groups:
         end, gap = g[0][0], max(c[1] for c in g) / 1e3
         near = steps[(steps[:, 1] > end - gap - 0.002) & (steps[:, 0] < end)]
         desc = " ".join(_step(row) for row in near)
+        inside = [e for e in slow if end - gap - 0.002 < e[1] < end]
+        if inside:
+            desc += f" | slow calls {sum(e[2] - e[1] for e in inside) * 1e3:.1f} ms: " + \
+                ", ".join(e[3].split(" ")[0] for e in inside[:3])
         lines.append(f"  +{end - start:.3f} s: {len(g)} ITLs up to {gap * 1e3:.1f} ms | {desc}")
     return lines
 

@@ -7,7 +7,8 @@ tokens admitted, cudaMallocs, cudaFrees, allocator retries]`` (launch / collect:
 inside ``ModelRunner.launch`` (enqueueing work) and ``ModelRunner.collect`` (mostly waiting for
 the GPU) during the call; ``time.perf_counter() seconds: CLOCK_MONOTONIC on Linux, the clock of
 the serving benchmark's ``send_times``), and every Triton JIT compile as ``["jit", start, end,
-kernel]`` (hooks of ``triton.knobs`` where the installed Triton has them). The trace is written
+kernel]`` and every SDPA or linear call over 1 ms of host time as ``["slow", start, end,
+call]`` (hooks of ``triton.knobs`` where the installed Triton has them). The trace is written
 when the server exits (SIGTERM, Ctrl-C) or on SIGUSR1. ``benchmarks/analyze_serve_trace.py``
 lines it up with a benchmark result.
 """
@@ -51,6 +52,38 @@ def install_jit_hooks() -> None:
     knobs.runtime.jit_post_compile_hook = after
 
 
+SLOW_CALL_S = 0.001
+
+
+def _timed(fn, done):
+    """``fn`` wrapped to call ``done(start, end, args)`` after each call, raised or not."""
+    def wrapper(*args, **kwargs):
+        t0 = time.perf_counter()
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            done(t0, time.perf_counter(), args)
+    return wrapper
+
+
+def install_call_timers() -> None:
+    """Host time of every SDPA and linear call; calls over ``SLOW_CALL_S`` are recorded as
+    ``["slow", start, end, "name shapes strides"]`` (a library planning a new shape, or a
+    heuristic miss, shows up here; decode steps replay graphs and make no such calls)."""
+    import torch.nn.functional as F
+
+    def recorder(name):
+        def done(t0, t1, args):
+            if t1 - t0 > SLOW_CALL_S:
+                desc = " ".join(f"{tuple(a.shape)}/{a.stride()}" for a in args
+                                if hasattr(a, "shape"))
+                events.append(["slow", t0, t1, f"{name} {desc}"[:300]])
+        return done
+
+    for name in ("scaled_dot_product_attention", "linear"):
+        setattr(F, name, _timed(getattr(F, name), recorder(name)))
+
+
 def install_step_trace() -> None:
     import torch
 
@@ -60,18 +93,14 @@ def install_step_trace() -> None:
 
     spent = {"launch": 0.0, "collect": 0.0}
 
-    def timed(name, fn):
-        def wrapper(*args, **kwargs):
-            t0 = time.perf_counter()
-            try:
-                return fn(*args, **kwargs)
-            finally:
-                spent[name] += time.perf_counter() - t0
-        return wrapper
+    def adder(name):
+        def done(t0, t1, args):
+            spent[name] += t1 - t0
+        return done
 
     runner = model_runner.ModelRunner
-    runner.launch = timed("launch", runner.launch)
-    runner.collect = timed("collect", runner.collect)
+    runner.launch = _timed(runner.launch, adder("launch"))
+    runner.collect = _timed(runner.collect, adder("collect"))
     step = llm_engine.LLMEngine.step
     schedule = scheduler.Scheduler.schedule
     admitted = {"tokens": 0}
@@ -118,6 +147,7 @@ def main() -> None:
     if "STEP_TRACE" not in os.environ:
         sys.exit("set STEP_TRACE to the trace file to write")
     install_jit_hooks()
+    install_call_timers()
     install_step_trace()
     atexit.register(dump)
 

@@ -5,6 +5,7 @@
 # each analysed by stall and by first-seen prompt length. Prints a table last.
 # Usage (repository root, offline GPU machine):
 #   VARIANTS="sdpa sdpa_buckets" ROUNDS=2 RANGE=0.5 bash tools/gpu_prefill_ab.sh
+# (a CPU dry run of the plumbing: MODEL=demo/mllama-tiny NUM_PROMPTS=8 PLANS_ARGS=--smoke)
 set -uo pipefail
 source tools/gpu_env.sh || exit 1
 VARIANTS=${VARIANTS:-sdpa sdpa_buckets}
@@ -13,14 +14,18 @@ RANGE=${RANGE:-0.5}
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$OUT/gpu.txt"
 python3 -c "import torch, triton, transformers; print('torch', torch.__version__, 'triton', \
 triton.__version__, 'transformers', transformers.__version__)" | tee -a "$OUT/gpu.txt"
-timeout 300 python3 benchmarks/kernels/benchmark_prefill_plans.py --out "$OUT/prefill_plans.json" \
+timeout 120 python3 benchmarks/kernels/benchmark_prefill_plans.py ${PLANS_ARGS:-} \
+  --out "$OUT/prefill_plans.json" \
   >"$OUT/prefill_plans.log" 2>&1
 tail -22 "$OUT/prefill_plans.log"
+port=8400
 for i in $(seq 1 "$ROUNDS"); do
   for v in $VARIANTS; do
     tag="range${RANGE}_${v}_$i"
-    VLLM_PREFILL_ATTENTION=$v TAG=$tag TRACE=1 BENCH_ARGS="--random-range-ratio $RANGE" \
-      timeout 400 bash tools/gpu_serving.sh >"$OUT/$tag.out" 2>&1
+    port=$((port + 1))
+    PORT=$port VLLM_PREFILL_ATTENTION=$v TAG=$tag TRACE=1 BENCH_ARGS="--random-range-ratio $RANGE" \
+      timeout 240 bash tools/gpu_serving.sh >"$OUT/$tag.out" 2>&1
+    pkill -f -- "--port $port" 2>/dev/null  # a server a timed-out run left behind
     python3 benchmarks/analyze_serve_trace.py "$OUT/$tag.json" --by-length \
       >>"$OUT/$tag.analysis.txt" 2>&1
     grep -h "Warm-up" "$OUT/$tag.server.log" | tail -1 | cut -c1-150

@@ -3,7 +3,8 @@
 # concurrency-32 workload with image arrivals, saves the result JSON and the server's /metrics.
 # Usage (repository root, offline GPU machine): bash tools/gpu_serving.sh [extra server args...]
 # Env: TAG (file names), BENCH_ARGS (extra benchmark flags, e.g. "--random-range-ratio 0.5"),
-# TRACE=1 (server under benchmarks/trace_serve.py; analysis in $OUT/$TAG.analysis.txt).
+# TRACE=1 (server under benchmarks/trace_serve.py; analysis in $OUT/$TAG.analysis.txt);
+# MODEL and NUM_PROMPTS (defaults demo/mllama-11b, 96) for a dry run on a small model.
 set -uo pipefail
 source tools/gpu_env.sh || exit 1
 PORT=${PORT:-8321}
@@ -13,9 +14,10 @@ if [ "${TRACE:-0}" = 1 ]; then
   export STEP_TRACE="$OUT/$TAG.trace.json"
   SERVER=(benchmarks/trace_serve.py)
 fi
-python3 "${SERVER[@]}" serve demo/mllama-11b --load-format dummy --dtype bfloat16 \
+python3 "${SERVER[@]}" serve "${MODEL:-demo/mllama-11b}" --load-format dummy --dtype bfloat16 \
   --max-model-len 4096 --max-num-seqs 64 --port "$PORT" "$@" >"$OUT/$TAG.server.log" 2>&1 &
 SRV=$!
+trap 'kill -TERM $SRV 2>/dev/null' EXIT  # never leave the server behind
 python3 - "$PORT" <<'PY' || { tail -30 "$OUT/$TAG.server.log"; kill $SRV; exit 1; }
 import sys, time, httpx
 url = f"http://127.0.0.1:{sys.argv[1]}/health"
@@ -28,7 +30,8 @@ for _ in range(600):
     time.sleep(0.5)
 sys.exit(1)
 PY
-python3 benchmarks/benchmark_serving.py --port "$PORT" --num-prompts 96 --max-concurrency 32 \
+python3 benchmarks/benchmark_serving.py --port "$PORT" --num-prompts "${NUM_PROMPTS:-96}" \
+  --max-concurrency 32 \
   --input-len 200 --output-len 64 --image-ratio 0.5 --image-size 1120 \
   --percentile-metrics ttft,tpot,itl,e2el --metric-percentiles 50,90,99 ${BENCH_ARGS:-} \
   --save-result --save-detailed --result-dir "$OUT" --result-filename "$TAG.json" 2>&1 | tail -40
@@ -38,5 +41,6 @@ grep -E "^vllm:(cuda_graph_replays|eager_decode)" "$OUT/$TAG.metrics.txt"
 kill -TERM $SRV; wait $SRV
 if [ "${TRACE:-0}" = 1 ]; then
   python3 benchmarks/analyze_serve_trace.py "$OUT/$TAG.json" "$STEP_TRACE" \
-    | tee "$OUT/$TAG.analysis.txt" | head -4
+    >"$OUT/$TAG.analysis.txt" 2>&1
+  head -4 "$OUT/$TAG.analysis.txt"
 fi

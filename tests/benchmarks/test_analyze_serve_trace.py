@@ -81,3 +81,13 @@ def test_by_length_splits_first_seen_from_repeated_lengths(analyze) -> None:
     assert "(3 distinct (length, images) of 4)" in lines[0]
     assert "first of its length: 3 requests, 1 above 20 ms" in lines[1]
     assert "repeated length: 1 requests, 0 above 20 ms" in lines[2]
+
+
+def test_slow_host_calls_listed_and_tied_to_bursts(analyze) -> None:
+    result, trace = _case()
+    trace["events"] += [["slow", 100.305, 100.34, "scaled_dot_product_attention (1, 32, 201)"],
+                        ["slow", 99.0, 99.1, "linear before the load"]]
+    lines = analyze.report(result, trace, 20)
+    assert "host calls over 1 ms during the load: 1 (35.0 ms), longest:" in lines
+    burst = next(s for s in lines if "ITLs up to" in s)
+    assert burst.endswith("| slow calls 35.0 ms: scaled_dot_product_attention")
