@@ -15,7 +15,8 @@ Padding is exact for the real rows:
   lengths are whole images (``tokens_per_image`` each), already a bounded set.
 Inputs are copied into buffers of one fixed layout per bucket (contiguous ``[L, H, D]``,
 query/key/value side by side per row for causal), so plans do not depend on the caller's
-strides either.
+strides either. (The step's own next rows are not used as padding: a non-finite value in
+another request's K/V would reach this one's rows through a zero weight.)
 """
 
 from __future__ import annotations
