@@ -3,9 +3,10 @@
 On CUDA, SDPA's cuDNN back-end (the fastest prefill attention on Hopper here) builds an
 execution plan for every new combination of shapes and strides: 37-55 ms of host time per new
 prompt length on the H200, measured in isolation (benchmarks/RESULTS.md); in a server that
-would stall every running stream once per new length. These functions pad each sequence's query (and, for causal attention,
-key/value) length up to a bucket, so a served workload meets at most ``len(buckets)`` plans
-per head shape, which the start-up warm-up builds ahead (``warm_up_plans``).
+would stall every running stream once per new length. These functions pad each sequence's
+query (and, for causal attention, key/value) length up to a bucket, so a served workload meets
+at most ``len(buckets)`` plans per head shape, which the start-up warm-up builds ahead
+(``warm_up_plans``).
 
 Padding is exact for the real rows:
 * causal: real query ``i`` attends keys ``0..i``, all real; the padding keys sit after every
