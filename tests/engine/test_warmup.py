@@ -91,3 +91,48 @@ def test_warmup_with_one_sequence_and_short_context() -> None:
     assert stats.steps > 0 and not engine.has_unfinished_requests()
     assert engine.kv_cache_usage() == 0.0
     engine.check_integrity()
+
+
+def test_warmup_runs_every_prefill_gemm_shape_served_later(monkeypatch) -> None:
+    """Served prefills of new prompt lengths only reach GEMM row counts the warm-up ran (per
+    text-layer weight shape): the padded rows (prefill_inputs.prefill_rows) are what makes
+    that possible, so this fails if a prefill step's rows are left unpadded."""
+    from vllm.model_executor.layers.linear import Linear
+
+    llm = _llm()
+    engine = llm.llm_engine
+    runner = engine.runner
+    text_linears = {id(m) for name, m in runner.model.language_model.model.layers.named_modules()
+                    if isinstance(m, Linear) and not name.endswith("cross_attn.kv_proj")}
+    phase = [""]
+    seen: dict[str, set] = {"warm": set(), "prefill": set()}
+    forward = Linear.forward
+
+    def recording_forward(self, x, out=None):
+        if phase[0] and id(self) in text_linears:
+            seen[phase[0]].add((x.shape[0], tuple(self.weight.shape)))
+        return forward(self, x, out)
+
+    def in_phase(name: str, fn):
+        def wrapped(*args, **kwargs):
+            outer, phase[0] = phase[0], phase[0] or name
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                phase[0] = outer
+        return wrapped
+
+    monkeypatch.setattr(Linear, "forward", recording_forward)
+    monkeypatch.setattr(runner, "warm_up_prefill_gemms",
+                        in_phase("warm", runner.warm_up_prefill_gemms))
+    stats = warm_up(engine)
+    assert stats.prefill_gemms == len(seen["warm"]) > 0
+    for name in ("_begin_prefill", "advance_prefill", "_prefill"):
+        monkeypatch.setattr(runner, name, in_phase("prefill", getattr(runner, name)))
+    words = ["one", "two", "three", "four", "five", "six", "seven", "eight", "nine", "ten"]
+    lengths = (1, 4, 9, 17, 30)  # words: about five tokens each
+    prompts = [" ".join(words[i % 10] for i in range(n)) for n in lengths] + _prompts()[1:]
+    llm.generate(prompts, SamplingParams(temperature=0, max_tokens=2, ignore_eos=True))
+    served = seen["prefill"]
+    assert {m for m, _ in served} - {16 * k for k in range(1, 17)}, "no long step reached"
+    assert served and served <= seen["warm"], sorted(served - seen["warm"])

@@ -161,3 +161,39 @@ def test_attention_layer_fused_rope_matches_reference_backend(bound: bool) -> No
         torch.testing.assert_close(pools[0][0][1:], pools[1][0][1:], atol=1e-5, rtol=1e-5)
         if not bound:
             assert not pools[0][0].any()
+
+
+class _StalePadding(TorchReferenceBackend):
+    """TORCH_REF whose prefill leaves stale memory (NaN) in the rows outside every sequence,
+    as every back-end's ``empty_like`` output may."""
+
+    def prefill_self(self, query, key, value, md: AttentionMetadata,
+                     scale: float) -> torch.Tensor:
+        out = super().prefill_self(query, key, value, md, scale)
+        out[sum(md.seq_lens):] = float("nan")
+        return out
+
+
+def test_prefill_padding_rows_leave_the_layer_zeroed() -> None:
+    """Padding rows (prefill_inputs.prefill_rows) come out of self-attention as zeros, so they
+    stay finite through the layers; the real rows equal an unpadded step's."""
+    gen = torch.Generator().manual_seed(3)
+    rotary = RotaryEmbedding(16, 64, ROPE).to(DEVICE)
+    qkv = _fused_qkv(12, 4, 2, 16, torch.float32, gen)
+    positions = torch.tensor([0, 1, 2, 3, 4, 0, 1, 2, 3, 0, 0, 0], device=DEVICE)
+
+    def run(rows: int, pad: int) -> torch.Tensor:
+        layer = Attention(4, 2, 16)
+        layer.backend = _StalePadding()
+        md = AttentionMetadata(
+            is_prefill=True, num_seqs=2, num_tokens=rows,
+            slot_mapping=torch.full((rows,), -1, dtype=torch.int64, device=DEVICE),
+            seq_lens_tensor=torch.tensor([5, 4], dtype=torch.int32, device=DEVICE),
+            max_seq_len=5, block_tables=torch.zeros(2, 1, dtype=torch.int32, device=DEVICE),
+            seq_lens=[5, 4], num_padding=pad)
+        with set_forward_context(md):
+            return layer(*_split(qkv[:rows].clone(), 4, 2, 16), positions[:rows], rotary)
+
+    padded, exact = run(12, 3), run(9, 0)
+    assert not padded[9:].any() and torch.isfinite(padded).all()
+    torch.testing.assert_close(padded[:9], exact, atol=0, rtol=0)

@@ -167,3 +167,54 @@ def test_step_images_skip_siblings_and_images_encoded_ahead() -> None:
     assert host.host_pixels[1] is c.images.pixel_values and len(host.host_pixels) == 2
     assert host.host_aspect_ratio_ids == images.aspect_ratio_ids.tolist()
     assert host.num_tiles == images.num_tiles
+
+
+def test_prefill_rows_are_few_and_tight() -> None:
+    from vllm.worker.prefill_inputs import prefill_row_buckets, prefill_rows
+
+    buckets = prefill_row_buckets(8192)
+    assert buckets[0] == 16 and buckets[-1] == 8192 and buckets == sorted(set(buckets))
+    assert len(buckets) == 16 + (8192 - 256) // 64
+    for n in range(1, 8193):
+        r = prefill_rows(n)
+        assert r >= n and r in buckets and r % 16 == 0
+        assert r - n < (16 if n <= 256 else 64)
+        assert prefill_rows(r) == r  # a bucket maps to itself
+    assert prefill_row_buckets(300)[-1] == 320
+    with pytest.raises(ValueError):
+        prefill_rows(0)
+
+
+def test_prefill_row_padding_env(monkeypatch) -> None:
+    from vllm.worker.prefill_inputs import ROW_BUCKETS_ENV, row_buckets_enabled
+
+    monkeypatch.delenv(ROW_BUCKETS_ENV, raising=False)
+    assert row_buckets_enabled()
+    monkeypatch.setenv(ROW_BUCKETS_ENV, "0")
+    assert not row_buckets_enabled()
+    monkeypatch.setenv(ROW_BUCKETS_ENV, "yes")
+    with pytest.raises(ValueError, match=ROW_BUCKETS_ENV):
+        row_buckets_enabled()
+
+
+def test_padded_prefill_batch_keeps_the_real_rows() -> None:
+    text = _inputs([1, 2, 3], [])
+    one = _inputs([IMG, 1, 2, 3], [2])
+    items = [PrefillItem([1, 2, 3], text, "t", block_table=[7]),
+             PrefillItem([IMG, 1, 2, 3], one, "o", block_table=[3],
+                         cross_block_table=[9, 10], write_cross=True)]
+    cpu = torch.device("cpu")
+    exact = build_prefill_batch(items, block_size=4, cross_block_size=8, device=cpu)
+    padded = build_prefill_batch(items, block_size=4, cross_block_size=8, device=cpu,
+                                 pad_rows=True)
+    a, b = exact.metadata, padded.metadata
+    assert a.num_tokens == 7 and b.num_tokens == 16 and padded.input_ids.shape == (16,)
+    assert padded.input_ids.tolist() == exact.input_ids.tolist() + [0] * 9
+    assert padded.positions.tolist() == exact.positions.tolist() + [0] * 9
+    assert b.slot_mapping.tolist() == a.slot_mapping.tolist() + [-1] * 9
+    assert b.cross_kv_ranges.tolist() == a.cross_kv_ranges.tolist() + [[0, 0]] * 9
+    assert torch.equal(padded.logits_indices, exact.logits_indices)
+    for name in ("seq_lens", "encoder_seq_lens", "cross_range_runs", "max_seq_len"):
+        assert getattr(a, name) == getattr(b, name), name
+    for name in ("query_start_loc", "cross_cache_src", "cross_slot_mapping"):
+        assert torch.equal(getattr(a, name), getattr(b, name)), name

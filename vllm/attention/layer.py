@@ -54,6 +54,11 @@ class Attention(_PagedAttentionBase):
         q, k, v = self._rope_and_write(backend, md, q, k, v, positions, rotary)
         if md.is_prefill:
             out = backend.prefill_self(q, k, v, md, self.scale)
+            if md.num_padding:
+                # The back-ends leave rows outside every sequence unwritten: zeroed, the
+                # padding rows stay finite through the layers, so no NaN of stale memory
+                # reaches a cache (the reference write sends them to the null page).
+                out[-md.num_padding:].zero_()
         else:
             assert self.kv_cache is not None, "decode needs a KV cache"
             out = backend.decode_self(q, self.kv_cache[0], self.kv_cache[1], md, self.scale)

@@ -32,6 +32,8 @@ class AttentionMetadata:
     # Prefill only: the packed prompts.
     query_start_loc: torch.Tensor | None = None  # [num_seqs + 1] int32
     seq_lens: list[int] | None = None  # host copy of the prompt lengths
+    # Trailing rows outside every sequence (prefill_inputs.prefill_rows pads the step's rows).
+    num_padding: int = 0
     # Cross-attention. encoder_seq_lens counts the cached vision tokens (last image group) per
     # sequence; 0 means the sequence has no image. max_encoder_seq_len == 0 skips the cross layers.
     encoder_seq_lens: list[int] | None = None

@@ -9,7 +9,10 @@ request: a long-running text request decodes while image prompts of every tile c
 of several lengths and a sampled request with logprobs go through the same scheduler paths as
 served traffic (whole prefills while nothing decodes, encoder and prefill spread over decode
 steps while something does). Afterwards the engine holds no request, every page is free and
-the runner's counters start from zero.
+the runner's counters start from zero. Before the requests, the back-end builds its prefill
+attention plans (when it keeps some per shape) and the runner runs each text-layer GEMM at
+every padded prefill row count (``ModelRunner.warm_up_prefill_gemms``): cuBLAS's first call
+at a new row count costs host milliseconds, and prompt lengths vary without end.
 """
 
 from __future__ import annotations
@@ -33,6 +36,7 @@ class WarmupStats:
     steps: int
     seconds: float
     prefill_plans: int = 0  # attention calls made to build per-shape plans
+    prefill_gemms: int = 0  # GEMM calls made at the padded prefill row counts
 
 
 def _warm_prefill_plans(engine: Any) -> int:
@@ -128,6 +132,7 @@ def warm_up(engine: Any) -> WarmupStats:
         raise RuntimeError("warm_up needs an idle engine")
     t0 = time.perf_counter()
     plans = _warm_prefill_plans(engine)
+    gemms = engine.runner.warm_up_prefill_gemms()
     first, second = _prompts(engine)
     ids = [f"{WARMUP_PREFIX}{i}" for i in range(len(first) + len(second))]
     for rid, (inputs, params) in zip(ids[:len(first)], first, strict=True):
@@ -159,7 +164,8 @@ def warm_up(engine: Any) -> WarmupStats:
     while engine.has_unfinished_requests():
         advance()
     engine.reset_counters()
-    stats = WarmupStats(len(ids), steps, time.perf_counter() - t0, plans)
-    logger.info("Warm-up: %d prefill shapes, %d requests, %d steps in %.1f s",
-                stats.prefill_plans, stats.requests, stats.steps, stats.seconds)
+    stats = WarmupStats(len(ids), steps, time.perf_counter() - t0, plans, gemms)
+    logger.info("Warm-up: %d prefill shapes, %d prefill GEMMs, %d requests, %d steps in %.1f s",
+                stats.prefill_plans, stats.prefill_gemms, stats.requests, stats.steps,
+                stats.seconds)
     return stats

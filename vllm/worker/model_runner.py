@@ -22,6 +22,7 @@ from vllm.core.scheduler import SchedulerOutput
 from vllm.core.sequence import Request, Sequence
 from vllm.forward_context import set_forward_context
 from vllm.logger import init_logger
+from vllm.model_executor.layers.linear import Linear
 from vllm.model_executor.layers.sampler import (
     Sampler,
     SamplerOutput,
@@ -36,7 +37,14 @@ from vllm.model_executor.models.mllama_vision import ImagesEncoding
 from vllm.utils import to_device
 from vllm.worker.cache_engine import CacheEngine, PageLayout
 from vllm.worker.decode_state import DecodeInputs, DecodeRows
-from vllm.worker.prefill_inputs import PrefillBatch, PrefillItem, build_prefill_batch, step_images
+from vllm.worker.prefill_inputs import (
+    PrefillBatch,
+    PrefillItem,
+    build_prefill_batch,
+    prefill_row_buckets,
+    row_buckets_enabled,
+    step_images,
+)
 
 
 @contextlib.contextmanager
@@ -148,6 +156,7 @@ class ModelRunner:
         self.layout = PageLayout.for_model(mc.spec, config.cache_config.block_size, mc.dtype)
         self.sampler = Sampler()
         self.vocab_size = mc.spec.text.vocab_size
+        self.pad_prefill_rows = row_buckets_enabled()  # see prefill_inputs.prefill_rows
         self.cache_engine: CacheEngine | None = None
         self.rows: DecodeRows | None = None
         self.graphs = None  # DecodeGraphRunner, when not enforce_eager
@@ -210,6 +219,29 @@ class ModelRunner:
         job.encoding = None
         self.stats.images_encoded_ahead += 1
         return True
+
+    @torch.inference_mode()
+    def warm_up_prefill_gemms(self) -> int:
+        """Runs every distinct projection of the text layers once at each padded prefill row
+        count up to the step budget (through ``Linear.forward``, on contiguous inputs as the
+        model's are), so no served prefill meets a GEMM row count for the first time (see
+        ``prefill_inputs.prefill_rows``). Returns the number of calls (0 without padding)."""
+        if not self.pad_prefill_rows:
+            return 0
+        linears: dict[tuple, Linear] = {}
+        for m in self.model.language_model.model.layers.modules():
+            if isinstance(m, Linear):
+                linears.setdefault((tuple(m.weight.shape), m.weight.dtype), m)
+        if not linears:
+            return 0
+        rows = prefill_row_buckets(self.config.scheduler_config.max_num_batched_tokens)
+        widest = max(m.in_features for m in linears.values())
+        dtype = next(iter(linears.values())).weight.dtype
+        flat = torch.zeros(rows[-1] * widest, dtype=dtype, device=self.device)
+        for m in linears.values():
+            for r in rows:
+                m(flat[:r * m.in_features].view(r, m.in_features))
+        return len(linears) * len(rows)
 
     # ------------------------------------------------------------------ set-up
     @property
@@ -325,7 +357,8 @@ class ModelRunner:
         elif images is not None:
             vision = self.encode_images(images.pixel_values, images.aspect_ratio_ids,
                                         images.num_tiles)
-        batch = build_prefill_batch(items, lo.block_size, lo.cross_block_size, self.device)
+        batch = build_prefill_batch(items, lo.block_size, lo.cross_block_size, self.device,
+                                    pad_rows=self.pad_prefill_rows)
         for s in out.prefill_seqs:
             s.request.encoded_images = None  # consumed (freed once this step has run)
         if batch.vision_parts:

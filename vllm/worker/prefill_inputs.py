@@ -4,10 +4,21 @@ Several prompts with different image and tile counts become one flat batch: toke
 positions back to back, all images of the step in one vision batch, and for every token a
 ``[start, end)`` range over the step's packed vision tokens. Sequences of one request (n > 1
 siblings recomputed after preemption) share one encoding of its images.
+
+The runner pads a step's rows up to ``prefill_rows(T)`` (padding rows: token 0 at position 0,
+no cache slot, no vision range, outside every sequence): the text model's GEMMs then see a
+small fixed set of row counts, which the start-up warm-up runs once each. cuBLAS spends 1-5 ms
+of host time on the first GEMM of each new row count (benchmarks/kernels/
+benchmark_gemm_first_call.py on the H200; CUDA's module loading does not change it), and in a
+server that host time stalls every running stream. Every operation of the text model is
+row-wise except attention, which reads the sequences' rows only (and zeroes the padding rows'
+output, see ``Attention.forward``), so padding changes no real row's result beyond the GEMMs'
+own choice of kernel.
 """
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 
 import torch
@@ -16,6 +27,35 @@ from vllm.attention.metadata import AttentionMetadata
 from vllm.multimodal.cross_attention import ImageRun
 from vllm.multimodal.processing import ProcessedInputs
 from vllm.utils import to_device
+
+ROW_BUCKETS_ENV = "VLLM_PREFILL_ROW_BUCKETS"  # "1" (default): pad prefill rows; "0": exact
+_FINE_ROWS, _FINE_STEP, _COARSE_STEP = 256, 16, 64
+
+
+def prefill_rows(n: int) -> int:
+    """The rows a prefill step of ``n`` >= 1 tokens runs: ``n`` rounded up to a multiple of 16
+    up to 256 (where the GEMMs are bound by the weights' bytes, so padding is nearly free),
+    then to a multiple of 64 (under 25% more rows, under 7% from 1,024)."""
+    if n < 1:
+        raise ValueError(f"prefill_rows needs n >= 1, got {n}")
+    step = _FINE_STEP if n <= _FINE_ROWS else _COARSE_STEP
+    return -(-n // step) * step
+
+
+def prefill_row_buckets(max_tokens: int) -> list[int]:
+    """Every row count ``prefill_rows`` gives for 1..``max_tokens`` tokens, ascending."""
+    out = [prefill_rows(1)]
+    while out[-1] < max_tokens:
+        out.append(prefill_rows(out[-1] + 1))
+    return out
+
+
+def row_buckets_enabled() -> bool:
+    """Whether prefill rows are padded (``VLLM_PREFILL_ROW_BUCKETS``, default on)."""
+    value = os.environ.get(ROW_BUCKETS_ENV, "1")
+    if value not in ("0", "1"):
+        raise ValueError(f"{ROW_BUCKETS_ENV} must be 0 or 1, got {value!r}")
+    return value == "1"
 
 
 @dataclass
@@ -138,7 +178,10 @@ def _pad_tables(tables: list[list[int]], width: int) -> torch.Tensor:
 
 
 def build_prefill_batch(items: list[PrefillItem], block_size: int, cross_block_size: int,
-                        device: torch.device) -> PrefillBatch:
+                        device: torch.device, pad_rows: bool = False) -> PrefillBatch:
+    """The step's device inputs; ``pad_rows`` appends padding rows up to ``prefill_rows``
+    (``metadata.num_tokens`` and ``num_padding`` count them; ``seq_lens`` and
+    ``query_start_loc`` do not)."""
     ids: list[int] = []
     positions: list[int] = []
     slots: list[torch.Tensor] = []
@@ -190,6 +233,12 @@ def build_prefill_batch(items: list[PrefillItem], block_size: int, cross_block_s
     starts = [0]
     for n in seq_lens:
         starts.append(starts[-1] + n)
+    pad = prefill_rows(len(ids)) - len(ids) if pad_rows and ids else 0
+    if pad:
+        ids += [0] * pad
+        positions += [0] * pad
+        slots.append(torch.full((pad,), -1, dtype=torch.int64))
+        ranges += [(0, 0)] * pad
 
     up = _Upload()
     h_ids, h_pos, h_slots = up.add(ids), up.add(positions), up.add(torch.cat(slots))
@@ -213,6 +262,7 @@ def build_prefill_batch(items: list[PrefillItem], block_size: int, cross_block_s
         block_tables=torch.zeros(len(items), 1, dtype=torch.int32, device=device),  # unused
         query_start_loc=dev[h_starts],
         seq_lens=seq_lens,
+        num_padding=pad,
         encoder_seq_lens=enc_lens,
         encoder_seq_lens_tensor=dev[h_enc],
         max_encoder_seq_len=max(enc_lens),
