@@ -128,7 +128,7 @@ def main() -> None:
         results.append(json.loads(done.stdout.strip().splitlines()[-1]))
     if args.out:
         with open(args.out, "w") as f:
-            json.dump({"rows": rows, "shapes": shapes, "bucket": args.bucket,
+            json.dump({"rows": rows, "shapes": shapes, "bucket": args.bucket, "max_rows": max_rows,
                        "results": results}, f, indent=1)
     print(f"{len(rows)} new row counts in [{args.min_rows}, {args.max_rows}) x {len(shapes)} "
           f"shapes; host ms per call")

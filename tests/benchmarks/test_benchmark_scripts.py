@@ -364,19 +364,38 @@ def test_ttft_tiles_smoke(tmp_path: Path) -> None:
     assert all(r["ttft_ms"] > 0 for r in rows)
 
 
+def _kernel_smoke(script: str, out: Path) -> dict:
+    """Runs ``benchmarks/kernels/<script> --smoke --out <out>``; returns the JSON written."""
+    root = Path(__file__).resolve().parents[2]
+    proc = subprocess.run([sys.executable, f"kernels/{script}", "--smoke", "--out", str(out)],
+                          cwd=root / "benchmarks", capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    return json.loads(out.read_text())
+
+
 def test_prefill_plans_smoke(tmp_path: Path) -> None:
     """benchmarks/kernels/benchmark_prefill_plans.py --smoke: the warm-up covers every bucket
     (one causal and one cross call each) and every figure the script reports is positive."""
-    out = tmp_path / "plans.json"
-    root = Path(__file__).resolve().parents[2]
-    proc = subprocess.run([sys.executable, "kernels/benchmark_prefill_plans.py", "--smoke",
-                           "--out", str(out)], cwd=root / "benchmarks", capture_output=True,
-                          text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    rec = json.loads(out.read_text())
+    rec = _kernel_smoke("benchmark_prefill_plans.py", tmp_path / "plans.json")
     from vllm.attention.ops.sdpa_prefill import buckets_up_to
 
     assert rec["warm_up"]["calls"] == 2 * len(buckets_up_to(300))
     firsts = [x for k, v in rec["first_call_ms"].items() if k != "lengths" for x in v]
     assert len(firsts) == 4 * len(rec["first_call_ms"]["lengths"]) and min(firsts) > 0
     assert all(r["unbucketed"] > 0 and r["bucketed"] > 0 for r in rec["steady_ms"].values())
+
+
+def test_gemm_first_call_smoke(tmp_path: Path) -> None:
+    """benchmarks/kernels/benchmark_gemm_first_call.py --smoke: every mode ran in its own
+    process, every (row count, shape) once, and the bucketed mode warmed each bucket first."""
+    rec = _kernel_smoke("benchmark_gemm_first_call.py", tmp_path / "gemm.json")
+    rows, shapes, bucket = rec["rows"], rec["shapes"], rec["bucket"]
+    assert len(set(rows)) == len(rows) == 6
+    by_mode = {r["mode"]: r for r in rec["results"]}
+    assert set(by_mode) == {"lazy", "eager", "bucketed"}
+    for r in by_mode.values():
+        assert r["calls"] == len(rows) * len(shapes) and r["median_host_ms"] > 0
+        assert r["slow_calls"] == len(r["slowest"]) or len(r["slowest"]) == 8
+    assert rec["max_rows"] % bucket == 0 and rec["max_rows"] > max(rows)
+    assert by_mode["bucketed"]["warm_up_calls"] == len(shapes) * (rec["max_rows"] // bucket)
+    assert by_mode["lazy"]["warm_up_calls"] == 0
