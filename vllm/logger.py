@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import logging
-import os
 import sys
 
 _FORMAT = "%(levelname)s %(asctime)s [%(name)s] %(message)s"
@@ -17,7 +16,9 @@ def _configure_root() -> None:
         return
     _configured = True
     root = logging.getLogger("vllm")
-    level = os.environ.get("VLLM_LOGGING_LEVEL", "INFO").upper()
+    from vllm import envs  # envs imports nothing of the package
+
+    level = envs.VLLM_LOGGING_LEVEL
     root.setLevel(level)
     if not root.handlers:
         handler = logging.StreamHandler(sys.stdout)

@@ -24,7 +24,6 @@ import base64
 import binascii
 import io
 import ipaddress
-import os
 import socket
 from collections.abc import Iterable
 from pathlib import Path
@@ -33,27 +32,18 @@ from urllib.parse import unquote, urlparse
 
 import httpx
 
-DEFAULT_FETCH_TIMEOUT_S = 5.0
-DEFAULT_MAX_IMAGE_BYTES = 20 << 20
-# Far above what the model sees (at most 4 tiles of 560 x 560) and below Pillow's own
-# decompression-bomb error (2 x 89.5 Mpx), so our message is the one users get.
-DEFAULT_MAX_IMAGE_PIXELS = 64 << 20
+from vllm import envs
+
+DEFAULT_MAX_IMAGE_BYTES: int = envs.VARIABLES["VLLM_IMAGE_FETCH_MAX_BYTES"].default
 MAX_REDIRECTS = 3
 
 IPAddress = ipaddress.IPv4Address | ipaddress.IPv6Address
 IPNetwork = ipaddress.IPv4Network | ipaddress.IPv6Network
 
 
-def _env_float(name: str, default: float) -> float:
-    try:
-        return float(os.environ.get(name, default))
-    except ValueError:
-        return default
-
-
 def max_image_pixels() -> int:
-    """The pixel limit per image: env ``VLLM_IMAGE_MAX_PIXELS`` or 64 Mpx."""
-    return int(_env_float("VLLM_IMAGE_MAX_PIXELS", DEFAULT_MAX_IMAGE_PIXELS))
+    """The pixel limit per image: env ``VLLM_IMAGE_MAX_PIXELS`` (default 64 Mpx)."""
+    return envs.VLLM_IMAGE_MAX_PIXELS
 
 
 def _too_many_pixels(width: int, height: int, limit: int) -> ValueError:
@@ -153,20 +143,12 @@ class ImageMediaConnector:
             raise ValueError(
                 f"--allowed-local-media-path {allowed_local_media_path!r} is not a directory"
             )
-        env_hosts = os.environ.get("VLLM_ALLOWED_IMAGE_HOSTS", "").split(",")
+        env_hosts = envs.VLLM_ALLOWED_IMAGE_HOSTS
         entries = [e.strip() for e in [*(allowed_hosts or ()), *env_hosts] if e.strip()]
         self.allow_all = "*" in entries
         self.allowed = [_parse_allow_entry(e) for e in entries if e != "*"]
-        self.timeout = (
-            timeout
-            if timeout is not None
-            else _env_float("VLLM_IMAGE_FETCH_TIMEOUT", DEFAULT_FETCH_TIMEOUT_S)
-        )
-        self.max_bytes = (
-            max_bytes
-            if max_bytes is not None
-            else int(_env_float("VLLM_IMAGE_FETCH_MAX_BYTES", DEFAULT_MAX_IMAGE_BYTES))
-        )
+        self.timeout = timeout if timeout is not None else envs.VLLM_IMAGE_FETCH_TIMEOUT
+        self.max_bytes = max_bytes if max_bytes is not None else envs.VLLM_IMAGE_FETCH_MAX_BYTES
         self.max_pixels = max_pixels if max_pixels is not None else max_image_pixels()
 
     # ------------------------------------------------------------------ policy

@@ -31,6 +31,7 @@ from typing import Any
 
 import numpy as np
 
+from vllm import envs
 from vllm.logger import init_logger
 from vllm.transformers_utils import demo_tokenizer as dtok
 
@@ -339,8 +340,8 @@ def build_demo_checkpoint(name: str, out_dir: Path) -> None:
 
 def demo_cache_dir() -> Path:
     """``$VLLM_DEMO_DIR`` if set, else ``~/.cache/vllm-mllama/demo``."""
-    env = os.environ.get("VLLM_DEMO_DIR")
-    return Path(env).expanduser() if env else Path.home() / ".cache" / "vllm-mllama" / "demo"
+    env = envs.VLLM_DEMO_DIR
+    return Path(env) if env else Path.home() / ".cache" / "vllm-mllama" / "demo"
 
 
 @contextlib.contextmanager

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import os
 import signal
 import socket
 import sys
@@ -29,6 +28,7 @@ from fastapi.middleware.cors import CORSMiddleware
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.responses import JSONResponse, Response
 
+from vllm import envs
 from vllm.engine.async_llm_engine import AsyncLLMEngine, EngineDeadError
 from vllm.entrypoints.chat_utils import load_chat_template
 from vllm.entrypoints.openai.cli_args import make_arg_parser, validate_parsed_serve_args
@@ -206,7 +206,7 @@ def max_request_body_bytes(args: argparse.Namespace) -> int:
     """The flag, else env ``VLLM_MAX_REQUEST_BODY_BYTES``, else 32 MiB (raises ValueError)."""
     value = getattr(args, "max_request_body_bytes", None)
     if value is None:
-        value = int(os.environ.get("VLLM_MAX_REQUEST_BODY_BYTES", DEFAULT_MAX_REQUEST_BODY_BYTES))
+        value = envs.VLLM_MAX_REQUEST_BODY_BYTES or DEFAULT_MAX_REQUEST_BODY_BYTES
     if value <= 0:
         raise ValueError(f"--max-request-body-bytes must be positive, got {value}")
     return value

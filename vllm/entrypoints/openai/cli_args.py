@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 
+from vllm import envs
 from vllm.engine.cli_args import add_engine_cli_args, resolve_model_tag
 
 UVICORN_LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")
@@ -133,7 +133,7 @@ def validate_parsed_serve_args(args: argparse.Namespace) -> None:
 
         args.model = EngineArgs.model
     if args.api_key is None:
-        args.api_key = os.environ.get("VLLM_API_KEY") or None
+        args.api_key = envs.VLLM_API_KEY
     if args.enable_log_requests and args.disable_log_requests:
         raise ValueError("--enable-log-requests and --disable-log-requests conflict.")
     if not 0 <= args.port <= 65535:

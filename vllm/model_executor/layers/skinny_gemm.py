@@ -16,15 +16,16 @@ same kernel (DESIGN.md's equality contract).
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 
 import torch
 import triton
 import triton.language as tl
 
+from vllm import envs
+
 # Triton reads the flag when kernels are defined, so once at import is enough.
-_INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
+_INTERPRETED = envs.TRITON_INTERPRET
 
 
 @triton.jit

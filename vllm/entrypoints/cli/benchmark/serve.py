@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import os
 import time
 from datetime import datetime
 from pathlib import Path
@@ -20,6 +19,7 @@ from typing import Any
 
 import httpx
 
+from vllm import envs
 from vllm.entrypoints.cli.benchmark.common import args_record, write_json
 from vllm.entrypoints.cli.benchmark.serve_client import (
     CHAT_ENDPOINT,
@@ -184,7 +184,7 @@ def resolve_urls(args: argparse.Namespace) -> tuple[str, str]:
 
 
 def _headers() -> dict[str, str]:
-    key = os.environ.get("OPENAI_API_KEY")
+    key = envs.OPENAI_API_KEY
     return {"Authorization": f"Bearer {key}"} if key else {}
 
 
