@@ -159,13 +159,14 @@ def decode_grid(llm: LLM, batches: list[int], steps: int, weights: dict,
             eager0 = runner.stats.eager_decode_steps
             eager_ms, _ = time_decode(llm, max(steps // 2, 4))
             runner.graphs = saved
-            # Deliberate eager steps are not fallbacks: keep them out of the replay fraction.
-            runner.stats.deliberate_eager += runner.stats.eager_decode_steps - eager0
+            # Deliberate eager steps are not fallbacks: kept out of the replay fraction.
+            eager_steps = runner.stats.eager_decode_steps - eager0
             engine.abort_request(list(engine.scheduler.requests))
             wbytes = weights["cross" if cross else "text"]
             rows.append({"mix": mix, "batch": bs, "graph_ms": graph_ms,
                          "graph_ms_from_idle": graph_idle_ms, "gpu_ms": gpu_ms,
-                         "eager_ms": eager_ms, "host_ms_per_step": host_ms,
+                         "eager_ms": eager_ms, "eager_steps": eager_steps,
+                         "host_ms_per_step": host_ms,
                          "host_ms_median": host_median_ms, "kv_bytes": kv,
                          "weight_bytes": wbytes,
                          "achieved_tb_s": (wbytes + kv) / (graph_ms / 1e3) / 1e12,
@@ -259,7 +260,7 @@ def main() -> None:
     report["decode"] = decode_grid(llm, batches, args.steps, weights, args.host_steps)
     stats = runner.stats
     replays = sum(stats.graph_replays.values())
-    fallbacks = stats.eager_decode_steps - stats.deliberate_eager
+    fallbacks = stats.eager_decode_steps - sum(r["eager_steps"] for r in report["decode"])
     report["graph_replay_fraction"] = replays / max(replays + fallbacks, 1)
     if not args.skip_hf:
         from vllm.worker.cache_engine import CacheEngine

@@ -87,9 +87,9 @@ _VARIABLES: tuple[EnvVar, ...] = (
            "Level of the package's logger (DEBUG, INFO, WARNING, ERROR, CRITICAL)."),
     EnvVar("VLLM_API_KEY", None, str,
            "The server's API key when --api-key is not given."),
-    EnvVar("VLLM_ATTENTION_BACKEND", None, _choice("TRITON", "TORCH_REF"),
-           "Attention back-end on CUDA: TRITON (default) or TORCH_REF (plain torch, for "
-           "debugging). The CPU always runs TORCH_REF."),
+    EnvVar("VLLM_ATTENTION_BACKEND", None, _choice("TRITON", "TORCH"),
+           "Attention back-end on CUDA: TRITON (default) or TORCH (plain torch, for "
+           "debugging). The CPU always runs TORCH."),
     EnvVar("VLLM_DEMO_DIR", None, os.path.expanduser,
            "Folder of the generated demo checkpoints (default ~/.cache/vllm-mllama/demo)."),
     EnvVar("VLLM_MAX_REQUEST_BODY_BYTES", None, _positive_int,

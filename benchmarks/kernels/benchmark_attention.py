@@ -28,14 +28,13 @@ import torch
 import torch.nn.functional as F
 import triton
 
-from vllm.attention.ops import reference as ref
+from vllm.attention.ops import sdpa as sdpa_ops
 from vllm.attention.ops.triton_decode import DecodeConfig, paged_decode_attention
 from vllm.attention.ops.triton_prefill import (
     PrefillConfig,
     default_prefill_config,
     ranged_cross_attention,
     split_count,
-    varlen_causal_attention,
 )
 from vllm.attention.ops.vision_attention import (
     HALF_PADDING_TILE,
@@ -203,17 +202,15 @@ def bench_padding_rows(sweep: bool) -> list[Row]:
 
 
 def bench_prefill() -> list[Row]:
-    """Causal 8k-token GQA prefill (Triton vs SDPA) and ranged cross prefill (Triton vs SDPA)."""
+    """Causal 8k-token GQA prefill (SDPA) and ranged cross prefill (Triton vs SDPA)."""
     rows = []
     n = 8192
     q = torch.randn(n, HQ, HEAD_DIM, dtype=DTYPE, device="cuda")
     k, v = (torch.randn(n, HKV, HEAD_DIM, dtype=DTYPE, device="cuda") for _ in range(2))
-    starts = torch.tensor([0, n], dtype=torch.int32, device="cuda")
     scale = HEAD_DIM**-0.5
     causal_flops = 2 * HQ * HEAD_DIM * n * n  # half of the 4 * H * D * n^2 of a full square
     qt, kt, vt = (t.transpose(0, 1).unsqueeze(0) for t in (q, k, v))
     cases = {
-        "prefill causal triton": lambda: varlen_causal_attention(q, k, v, starts, n, scale),
         "prefill causal sdpa": lambda: F.scaled_dot_product_attention(
             qt, kt, vt, is_causal=True, scale=scale, enable_gqa=True
         ),
@@ -237,7 +234,7 @@ def bench_prefill() -> list[Row]:
                 qt, kt, vt, scale=scale, enable_gqa=True
             ),
             # What the back-end's SDPA path runs (zero-filled output, one call per run).
-            "prefill cross sdpa runs": lambda vq=vq, t=t: ref.ranged_cross_attention(
+            "prefill cross sdpa runs": lambda vq=vq, t=t: sdpa_ops.ranged_cross_attention(
                 vq, vk, vv, [(0, t, 0, CROSS_LEN)], scale),
         }
         for n in sorted({2, 4, 8, auto} - {1}):

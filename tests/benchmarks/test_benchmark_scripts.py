@@ -373,18 +373,6 @@ def _kernel_smoke(script: str, out: Path) -> dict:
     return json.loads(out.read_text())
 
 
-def test_prefill_plans_smoke(tmp_path: Path) -> None:
-    """benchmarks/kernels/benchmark_prefill_plans.py --smoke: the warm-up covers every bucket
-    (one causal and one cross call each) and every figure the script reports is positive."""
-    rec = _kernel_smoke("benchmark_prefill_plans.py", tmp_path / "plans.json")
-    from vllm.attention.ops.sdpa_prefill import buckets_up_to
-
-    assert rec["warm_up"]["calls"] == 2 * len(buckets_up_to(300))
-    firsts = [x for k, v in rec["first_call_ms"].items() if k != "lengths" for x in v]
-    assert len(firsts) == 4 * len(rec["first_call_ms"]["lengths"]) and min(firsts) > 0
-    assert all(r["unbucketed"] > 0 and r["bucketed"] > 0 for r in rec["steady_ms"].values())
-
-
 def test_gemm_first_call_smoke(tmp_path: Path) -> None:
     """benchmarks/kernels/benchmark_gemm_first_call.py --smoke: every mode ran in its own
     process, every (row count, shape) once, and the bucketed mode warmed each bucket first."""

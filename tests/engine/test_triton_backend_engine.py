@@ -40,19 +40,18 @@ PROMPTS = [
 
 def _run(backend: str, monkeypatch, cuda_paths: bool = False) -> list:
     import vllm.worker.model_runner as model_runner
-    from vllm.attention.backends.torch_ref import TorchReferenceBackend
+    from vllm.attention.backends.torch_attn import TorchBackend
     from vllm.attention.backends.triton_attn import TritonBackend
 
-    make = {"triton": lambda device: TritonBackend(prefill="triton"),
-            "sdpa_buckets": lambda device: TritonBackend(prefill="sdpa_buckets"),
-            "torch": lambda device: TorchReferenceBackend()}[backend]
+    make = {"triton": lambda device: TritonBackend(),
+            "torch": lambda device: TorchBackend()}[backend]
     monkeypatch.setattr(model_runner, "get_attn_backend", make)
     llm = LLM(model="demo/mllama-tiny", max_model_len=256, max_num_seqs=4, dtype="float32",
               limit_mm_per_prompt={"image": 2}, decode_interleave_tokens=256,
               encoder_layers_per_step=2, prefill_layers_per_step=2)
     engine = llm.llm_engine
     kind = type(engine.runner.model.language_model.model.layers[0].self_attn.attn.backend)
-    assert kind is (TorchReferenceBackend if backend == "torch" else TritonBackend)
+    assert kind is (TorchBackend if backend == "torch" else TritonBackend)
     if cuda_paths:
         force_cuda_code_paths(monkeypatch)
     params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True, logprobs=3)
@@ -81,12 +80,7 @@ def reference() -> list:
 
 
 def test_triton_attention_backend_matches_reference(reference, monkeypatch) -> None:
-    check_logprobs_close(reference, _run("triton", monkeypatch), "torch_ref", "triton")
-
-
-def test_bucketed_sdpa_prefill_backend_matches_reference(reference, monkeypatch) -> None:
-    check_logprobs_close(reference, _run("sdpa_buckets", monkeypatch), "torch_ref",
-                         "sdpa_buckets")
+    check_logprobs_close(reference, _run("triton", monkeypatch), "torch", "triton")
 
 
 def test_cuda_code_paths_match_reference(reference, monkeypatch) -> None:
@@ -101,7 +95,7 @@ def test_cuda_code_paths_match_reference(reference, monkeypatch) -> None:
 
     monkeypatch.setattr(interpreter.GridExecutor, "_init_args_hst", record)
     out = _run("triton", monkeypatch, cuda_paths=True)
-    check_logprobs_close(reference, out, "torch_ref", "cuda paths")
+    check_logprobs_close(reference, out, "torch", "cuda paths")
     assert {"_vision_embed_kernel", "_add_layer_norm_kernel", "_rms_norm_kernel",
             "_rope_kv_write_kernel", "_silu_and_mul_kernel", "_argmax_tiles_kernel",
             "_advance_rows_kernel", "_gather_rows_kernel", "_decode_segment_kernel",

@@ -14,10 +14,11 @@ import math
 import pytest
 import torch
 
-from vllm.attention.backends.torch_ref import TorchReferenceBackend
+from vllm.attention.backends.torch_attn import TorchBackend
 from vllm.attention.backends.triton_attn import TritonBackend
 from vllm.attention.metadata import AttentionMetadata
 from vllm.attention.ops import reference as ref
+from vllm.attention.ops import sdpa
 from vllm.attention.ops.triton_decode import (
     DEFAULT_DECODE_CONFIG,
     DecodeConfig,
@@ -32,7 +33,6 @@ from vllm.attention.ops.triton_prefill import (
     default_prefill_config,
     ranged_cross_attention,
     split_count,
-    varlen_causal_attention,
 )
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -290,37 +290,29 @@ def _packed_qkv(
 
 
 @pytest.mark.parametrize(
-    ("num_heads", "num_kv_heads", "head_dim", "dtype", "blocks"),
+    ("num_heads", "num_kv_heads", "head_dim", "dtype"),
     [
-        (4, 4, 16, torch.float32, (16, 16)),
-        (4, 2, 80, torch.float32, (32, 16)),
-        (8, 1, 32, torch.float32, (128, 64)),
-        (8, 2, 64, torch.float16, (32, 32)),
-        pytest.param(8, 2, 128, torch.bfloat16, (128, 64), marks=GPU),
+        (4, 4, 16, torch.float32),
+        (4, 2, 80, torch.float32),
+        (8, 1, 32, torch.float32),
+        (8, 2, 64, torch.float16),
+        pytest.param(8, 2, 128, torch.bfloat16, marks=GPU),
     ],
 )
-def test_prefill_causal_matches_reference(
-    num_heads: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype, blocks: tuple[int, int]
+def test_sdpa_prefill_causal_matches_reference(
+    num_heads: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype
 ) -> None:
+    """The production causal prefill (SDPA, both back-ends) against the float64 oracle, on
+    q/k/v views of one fused projection and with padding rows after the last sequence."""
     lens = [1, 17, 70, 33, 5, 16]
-    q, k, v = _packed_qkv(sum(lens), num_heads, num_kv_heads, head_dim, dtype, _gen(head_dim))
-    starts = torch.tensor(
-        [0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32, device=DEVICE
-    )
-    out = torch.full_like(q, float("nan"))
-    varlen_causal_attention(
-        q,
-        k,
-        v,
-        starts,
-        max(lens),
-        0.3,
-        out=out,
-        config=PrefillConfig(block_m=blocks[0], block_n=blocks[1], num_warps=4, num_stages=2),
-    )
+    q, k, v = _packed_qkv(sum(lens) + 3, num_heads, num_kv_heads, head_dim, dtype,
+                          _gen(head_dim))
+    out = sdpa.varlen_causal_attention(q, k, v, lens, 0.3)
     expected = ref.varlen_causal_attention(q, k, v, lens, 0.3)
-    assert not out.isnan().any()
-    torch.testing.assert_close(out, expected, **(FP32_TOL if dtype == torch.float32 else HALF_TOL))
+    real = sum(lens)
+    assert not out[:real].isnan().any()
+    tol = FP32_TOL if dtype == torch.float32 else HALF_TOL
+    torch.testing.assert_close(out[:real], expected[:real], **tol)
 
 
 def _cross_runs() -> tuple[int, int, list[tuple[int, int, int, int]]]:
@@ -406,10 +398,13 @@ def test_split_cross_prefill_at_the_ttft_shape() -> None:
 
 
 # ----------------------------------------------------------------------------- backend
-def test_triton_backend_matches_torch_reference() -> None:
-    """Every back-end method against TORCH_REF through AttentionMetadata (tiny shapes)."""
+@pytest.mark.parametrize("num_sms", [None, 132])
+def test_backends_match_reference(num_sms: int | None) -> None:
+    """Every method of both back-ends against the oracle through AttentionMetadata (tiny
+    shapes); ``num_sms=132`` makes the Triton back-end split the cross prefill's keys as on an
+    H200."""
     gen, hq, hkv, d, page = _gen(13), 4, 2, 32, 4
-    triton_be, torch_be = TritonBackend(SMALL, prefill="triton"), TorchReferenceBackend()
+    triton_be, torch_be = TritonBackend(SMALL, num_sms=num_sms), TorchBackend()
     lens = [9, 30]
     q, k, v = _packed_qkv(sum(lens), hq, hkv, d, torch.float32, gen)
     ranges = torch.tensor([[0, 0]] * 3 + [[0, 20]] * 36, dtype=torch.int32, device=DEVICE)
@@ -427,9 +422,13 @@ def test_triton_backend_matches_torch_reference() -> None:
         cross_kv_ranges=ranges,
         cross_range_runs=[(3, 39, 0, 20)],
     )
+    expected = {"prefill_self": ref.varlen_causal_attention(q, k, v, lens, 0.3),
+                "prefill_cross": ref.ranged_cross_attention(q, vis_k, vis_v, [(3, 39, 0, 20)],
+                                                            0.3)}
     for method, args in (("prefill_self", (q, k, v)), ("prefill_cross", (q, vis_k, vis_v))):
-        got = getattr(triton_be, method)(*args, prefill, 0.3)
-        torch.testing.assert_close(got, getattr(torch_be, method)(*args, prefill, 0.3), **FP32_TOL)
+        for be in (triton_be, torch_be):
+            got = getattr(be, method)(*args, prefill, 0.3)
+            torch.testing.assert_close(got, expected[method], **FP32_TOL)
 
     dec_lens = [0, 13, 30]
     pool, dq, kc, vc, tables, seq_lens = decode_inputs(
@@ -441,11 +440,14 @@ def test_triton_backend_matches_torch_reference() -> None:
         device=DEVICE,
     )
     new_k, new_v = (_randn(3, hkv, d, gen=gen) for _ in range(2))
-    ref_pool = pool.clone()
+    ref_pool, torch_pool = pool.clone(), pool.clone()
     rkc, rvc = _views_like(ref_pool, kc, vc)
+    ref.write_kv_cache(new_k, new_v, rkc, rvc, slots)
     triton_be.write_kv(new_k, new_v, kc, vc, slots)
-    torch_be.write_kv(new_k, new_v, rkc, rvc, slots)
-    assert torch.equal(pool[1:], ref_pool[1:])  # the reference also writes the null page
+    assert torch.equal(pool, ref_pool)
+    tkc, tvc = _views_like(torch_pool, kc, vc)
+    torch_be.write_kv(new_k, new_v, tkc, tvc, slots)
+    assert torch.equal(torch_pool[1:], ref_pool[1:])  # the torch write also fills the null page
     decode = AttentionMetadata(
         is_prefill=False,
         num_seqs=3,
@@ -458,11 +460,14 @@ def test_triton_backend_matches_torch_reference() -> None:
         max_encoder_seq_len=30,
         cross_block_tables=tables.flip(0).contiguous(),
     )
+    expected = {
+        "decode_self": ref.paged_decode_attention(dq, kc, vc, tables, seq_lens, 0.3),
+        "decode_cross": ref.paged_decode_attention(dq, kc, vc, tables.flip(0).contiguous(),
+                                                   seq_lens.flip(0).contiguous(), 0.3)}
     for method in ("decode_self", "decode_cross"):
-        got = getattr(triton_be, method)(dq, kc, vc, decode, 0.3)
-        torch.testing.assert_close(
-            got, getattr(torch_be, method)(dq, kc, vc, decode, 0.3), **FP32_TOL
-        )
+        for be in (triton_be, torch_be):
+            got = getattr(be, method)(dq, kc, vc, decode, 0.3)
+            torch.testing.assert_close(got, expected[method], **FP32_TOL)
 
 
 # ----------------------------------------------------------------------------- GPU only
@@ -577,11 +582,7 @@ def test_cuda_graph_replay_matches_eager() -> None:
 def test_prefill_large_matches_reference() -> None:
     lens = [8192, 1000, 3, 4097]
     q, k, v = _packed_qkv(sum(lens), 32, 8, 128, torch.bfloat16, _gen(37))
-    starts = torch.tensor(
-        [0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32, device=DEVICE
-    )
-    out = torch.full_like(q, float("nan"))
-    varlen_causal_attention(q, k, v, starts, max(lens), 0.3, out=out)
+    out = sdpa.varlen_causal_attention(q, k, v, lens, 0.3)
     expected = ref.varlen_causal_attention(q, k, v, lens, 0.3)
     assert not out.isnan().any()
     torch.testing.assert_close(out.float(), expected.float(), **HALF_TOL)

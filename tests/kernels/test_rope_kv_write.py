@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from vllm.attention.backends.torch_ref import TorchReferenceBackend
+from vllm.attention.backends.torch_attn import TorchBackend
 from vllm.attention.backends.triton_attn import TritonBackend
 from vllm.attention.layer import Attention
 from vllm.attention.metadata import AttentionMetadata
@@ -98,19 +98,19 @@ def test_rope_kv_write_rejects_copying_views() -> None:
 
 
 class _TritonWithReferenceDecode(TritonBackend):
-    """TRITON's KV write (the fused one here) with TORCH_REF's decode attention: the layer test
+    """TRITON's KV write (the fused one here) with TORCH's decode attention: the layer test
     is about RoPE and the cache contents, the decode kernel has tests of its own."""
 
     def decode_self(self, query: torch.Tensor, key_cache: torch.Tensor,
                     value_cache: torch.Tensor, md: AttentionMetadata,
                     scale: float) -> torch.Tensor:
-        return TorchReferenceBackend().decode_self(query, key_cache, value_cache, md, scale)
+        return TorchBackend().decode_self(query, key_cache, value_cache, md, scale)
 
     def write_kv(self, *args: torch.Tensor) -> None:
         raise AssertionError("a bound self-attention layer must take the fused write")
 
 
-def _layer_step(backend: TritonBackend | TorchReferenceBackend, is_prefill: bool,
+def _layer_step(backend: TritonBackend | TorchBackend, is_prefill: bool,
                 kv_cache: tuple[torch.Tensor, torch.Tensor] | None, qkv: torch.Tensor,
                 positions: torch.Tensor, slots: torch.Tensor,
                 rotary: RotaryEmbedding) -> torch.Tensor:
@@ -134,13 +134,13 @@ def _layer_step(backend: TritonBackend | TorchReferenceBackend, is_prefill: bool
 @pytest.mark.parametrize("bound", [True, False])
 def test_attention_layer_fused_rope_matches_reference_backend(bound: bool) -> None:
     """A prompt step then a decode step through the layer: TRITON (RoPE fused into the KV write)
-    against TORCH_REF (the layer rotates with the torch RoPE); unbound = the profile run."""
+    against TORCH (the layer rotates with the torch RoPE); unbound = the profile run."""
     gen = torch.Generator().manual_seed(7)
     rotary = RotaryEmbedding(16, 64, ROPE).to(DEVICE)
     pools = [_pool(6, 2, 16, torch.float32, torch.Generator().manual_seed(1)) for _ in range(2)]
     for buf, _, _ in pools:
         buf.zero_()  # the torch reference decode reads whole pages: keep them finite
-    backends = [_TritonWithReferenceDecode(), TorchReferenceBackend()]
+    backends = [_TritonWithReferenceDecode(), TorchBackend()]
     # Prompts of 5 and 4 tokens in pages [1, 2] and [3, 4]; then one token each (third: padding).
     steps = [
         (True, [0, 1, 2, 3, 4, 0, 1, 2, 3], [4, 5, 6, 7, 8, 12, 13, 14, 15]),
@@ -163,8 +163,8 @@ def test_attention_layer_fused_rope_matches_reference_backend(bound: bool) -> No
             assert not pools[0][0].any()
 
 
-class _StalePadding(TorchReferenceBackend):
-    """TORCH_REF whose prefill leaves stale memory (NaN) in the rows outside every sequence,
+class _StalePadding(TorchBackend):
+    """TORCH whose prefill leaves stale memory (NaN) in the rows outside every sequence,
     as every back-end's ``empty_like`` output may."""
 
     def prefill_self(self, query, key, value, md: AttentionMetadata,

@@ -8,7 +8,7 @@ import torch
 from helpers.hf_runner import demo_path, hf_inputs, hf_prefill_logits, load_hf_model
 from PIL import Image
 
-from vllm.attention.backends.torch_ref import TorchReferenceBackend
+from vllm.attention.backends.torch_attn import TorchBackend
 from vllm.forward_context import set_forward_context
 from vllm.model_executor.model_loader.loader import get_model
 from vllm.multimodal.processing import MllamaInputProcessor
@@ -53,7 +53,7 @@ class Ours:
         path = demo_path()
         self.spec = load_mllama_config(path)
         self.model = get_model(self.spec, path, "auto", torch.float32, torch.device("cpu"), 4096)
-        backend = TorchReferenceBackend()
+        backend = TorchBackend()
         selfs, crosses = self.model.attention_layers()
         for a in (*selfs, *crosses):
             a.backend = backend

@@ -185,18 +185,6 @@ def test_prefill_rows_are_few_and_tight() -> None:
         prefill_rows(0)
 
 
-def test_prefill_row_padding_env(monkeypatch) -> None:
-    from vllm.worker.prefill_inputs import ROW_BUCKETS_ENV, row_buckets_enabled
-
-    monkeypatch.delenv(ROW_BUCKETS_ENV, raising=False)
-    assert row_buckets_enabled()
-    monkeypatch.setenv(ROW_BUCKETS_ENV, "0")
-    assert not row_buckets_enabled()
-    monkeypatch.setenv(ROW_BUCKETS_ENV, "yes")
-    with pytest.raises(ValueError, match=ROW_BUCKETS_ENV):
-        row_buckets_enabled()
-
-
 def test_padded_prefill_batch_keeps_the_real_rows() -> None:
     text = _inputs([1, 2, 3], [])
     one = _inputs([IMG, 1, 2, 3], [2])

@@ -9,9 +9,8 @@ request: a long-running text request decodes while image prompts of every tile c
 of several lengths and a sampled request with logprobs go through the same scheduler paths as
 served traffic (whole prefills while nothing decodes, encoder and prefill spread over decode
 steps while something does). Afterwards the engine holds no request, every page is free and
-the runner's counters start from zero. Before the requests, the back-end builds its prefill
-attention plans (when it keeps some per shape) and the runner runs each text-layer GEMM at
-every padded prefill row count (``ModelRunner.warm_up_prefill_gemms``): cuBLAS's first call
+the runner's counters start from zero. Before the requests, the runner runs each text-layer
+GEMM at every padded prefill row count (``ModelRunner.warm_up_prefill_gemms``): cuBLAS's first call
 at a new row count costs host milliseconds, and prompt lengths vary without end.
 """
 
@@ -35,20 +34,7 @@ class WarmupStats:
     requests: int
     steps: int
     seconds: float
-    prefill_plans: int = 0  # attention calls made to build per-shape plans
     prefill_gemms: int = 0  # GEMM calls made at the padded prefill row counts
-
-
-def _warm_prefill_plans(engine: Any) -> int:
-    """Prefill attention of every length bucket a prompt can take (the back-end's plans
-    per shape: cuDNN's cost ~40 ms each on first use, see ``attention/ops/sdpa_prefill.py``)."""
-    mc, sc = engine.config.model_config, engine.config.scheduler_config
-    text = mc.spec.text
-    per_image = mc.spec.max_vision_tokens_per_image
-    return engine.runner.backend.warm_up_prefill(
-        min(mc.max_model_len, sc.max_num_batched_tokens), text.num_attention_heads,
-        text.num_key_value_heads, text.head_dim, mc.dtype, engine.runner.device,
-        [j * per_image for j in range(1, mc.limit_images_per_prompt + 1)])
 
 
 def _sentence(engine: Any) -> list[int]:
@@ -131,7 +117,6 @@ def warm_up(engine: Any) -> WarmupStats:
     if engine.has_unfinished_requests():
         raise RuntimeError("warm_up needs an idle engine")
     t0 = time.perf_counter()
-    plans = _warm_prefill_plans(engine)
     gemms = engine.runner.warm_up_prefill_gemms()
     first, second = _prompts(engine)
     ids = [f"{WARMUP_PREFIX}{i}" for i in range(len(first) + len(second))]
@@ -164,8 +149,7 @@ def warm_up(engine: Any) -> WarmupStats:
     while engine.has_unfinished_requests():
         advance()
     engine.reset_counters()
-    stats = WarmupStats(len(ids), steps, time.perf_counter() - t0, plans, gemms)
-    logger.info("Warm-up: %d prefill shapes, %d prefill GEMMs, %d requests, %d steps in %.1f s",
-                stats.prefill_plans, stats.prefill_gemms, stats.requests, stats.steps,
-                stats.seconds)
+    stats = WarmupStats(len(ids), steps, time.perf_counter() - t0, gemms)
+    logger.info("Warm-up: %d prefill GEMMs, %d requests, %d steps in %.1f s",
+                stats.prefill_gemms, stats.requests, stats.steps, stats.seconds)
     return stats

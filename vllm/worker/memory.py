@@ -71,7 +71,7 @@ def run_profile_prefill(runner) -> torch.Tensor:
     items = [PrefillItem(list(p.prompt_token_ids), p, i) for i, p in
              enumerate(_profile_inputs(runner))]
     batch = build_prefill_batch(items, lo.block_size, lo.cross_block_size, runner.device,
-                                pad_rows=runner.pad_prefill_rows)
+                                pad_rows=True)
     images = step_images(items, runner.device)
     vision = None
     if images is not None:

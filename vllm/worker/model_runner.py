@@ -42,7 +42,6 @@ from vllm.worker.prefill_inputs import (
     PrefillItem,
     build_prefill_batch,
     prefill_row_buckets,
-    row_buckets_enabled,
     step_images,
 )
 
@@ -75,7 +74,6 @@ class RunnerStats:
     encoder_chunks: int = 0  # decode steps that also advanced an image encoding
     images_encoded_ahead: int = 0  # requests whose images were encoded before their prefill
     spread_prefills: int = 0  # prefill steps begun ahead and spread over decode steps
-    deliberate_eager: int = 0  # eager steps a benchmark asked for (not graph fallbacks)
     prefill_steps: int = 0
     host_time_s: float = 0.0  # host time spent launching steps
     steps: int = 0
@@ -156,7 +154,6 @@ class ModelRunner:
         self.layout = PageLayout.for_model(mc.spec, config.cache_config.block_size, mc.dtype)
         self.sampler = Sampler()
         self.vocab_size = mc.spec.text.vocab_size
-        self.pad_prefill_rows = row_buckets_enabled()  # see prefill_inputs.prefill_rows
         self.cache_engine: CacheEngine | None = None
         self.rows: DecodeRows | None = None
         self.graphs = None  # DecodeGraphRunner, when not enforce_eager
@@ -225,9 +222,7 @@ class ModelRunner:
         """Runs every distinct projection of the text layers once at each padded prefill row
         count up to the step budget (through ``Linear.forward``, on contiguous inputs as the
         model's are), so no served prefill meets a GEMM row count for the first time (see
-        ``prefill_inputs.prefill_rows``). Returns the number of calls (0 without padding)."""
-        if not self.pad_prefill_rows:
-            return 0
+        ``prefill_inputs.prefill_rows``). Returns the number of calls."""
         linears: dict[tuple, Linear] = {}
         for m in self.model.language_model.model.layers.modules():
             if isinstance(m, Linear):
@@ -358,7 +353,7 @@ class ModelRunner:
             vision = self.encode_images(images.pixel_values, images.aspect_ratio_ids,
                                         images.num_tiles)
         batch = build_prefill_batch(items, lo.block_size, lo.cross_block_size, self.device,
-                                    pad_rows=self.pad_prefill_rows)
+                                    pad_rows=True)
         for s in out.prefill_seqs:
             s.request.encoded_images = None  # consumed (freed once this step has run)
         if batch.vision_parts:

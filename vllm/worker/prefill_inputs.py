@@ -18,7 +18,6 @@ own choice of kernel.
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass, field
 
 import torch
@@ -28,7 +27,6 @@ from vllm.multimodal.cross_attention import ImageRun
 from vllm.multimodal.processing import ProcessedInputs
 from vllm.utils import to_device
 
-ROW_BUCKETS_ENV = "VLLM_PREFILL_ROW_BUCKETS"  # "1" (default): pad prefill rows; "0": exact
 _FINE_ROWS, _FINE_STEP, _COARSE_STEP = 256, 16, 64
 
 
@@ -48,14 +46,6 @@ def prefill_row_buckets(max_tokens: int) -> list[int]:
     while out[-1] < max_tokens:
         out.append(prefill_rows(out[-1] + 1))
     return out
-
-
-def row_buckets_enabled() -> bool:
-    """Whether prefill rows are padded (``VLLM_PREFILL_ROW_BUCKETS``, default on)."""
-    value = os.environ.get(ROW_BUCKETS_ENV, "1")
-    if value not in ("0", "1"):
-        raise ValueError(f"{ROW_BUCKETS_ENV} must be 0 or 1, got {value!r}")
-    return value == "1"
 
 
 @dataclass

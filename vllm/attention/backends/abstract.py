@@ -1,4 +1,4 @@
-"""The interface every attention back-end implements (torch reference on CPU, Triton on CUDA)."""
+"""The interface every attention back-end implements (plain torch on CPU, Triton on CUDA)."""
 
 from __future__ import annotations
 
@@ -45,14 +45,6 @@ class AttentionBackend(Protocol):
         self, query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
         md: AttentionMetadata, scale: float,
     ) -> torch.Tensor: ...
-
-    def warm_up_prefill(
-        self, max_len: int, num_heads: int, num_kv_heads: int, head_dim: int,
-        dtype: torch.dtype, device: torch.device, cross_kv_lens: list[int],
-    ) -> int:
-        """Pays one-time costs of prefill shapes (library plans) for prompts of up to
-        ``max_len`` tokens and the given vision lengths; returns the number of calls made."""
-        ...
 
 
 class RopeFusingBackend(AttentionBackend, Protocol):

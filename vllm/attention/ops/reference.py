@@ -1,15 +1,40 @@
-"""Plain-torch attention: the CPU backend, and the oracle the GPU kernels are tested against.
+"""The oracle: attention written as its definition, in float64, for tests and benchmarks only.
 
-Cache layout (one layer's view of the page pool): ``[num_pages, num_kv_heads, page_size, head_dim]``
-with any strides; ``slot = page * page_size + offset``. Every function is free of host
-synchronisation where it may run inside a captured decode step (the cache write and the paged
-decode); the prefill functions loop over host lengths and are never captured.
+Nothing in the engine calls this module. Each function is the textbook formula applied one
+sequence (or one query) at a time, with no library attention kernel, no page gathering trick
+and no masking shortcut, so a production implementation (Triton on CUDA, SDPA, the CPU
+back-end's torch code) compared against it is compared against something independent.
+Results are returned in the query's dtype.
+
+Cache layout (one layer's view of the page pool): ``[num_pages, num_kv_heads, page_size,
+head_dim]``; ``slot = page * page_size + offset``.
 """
 
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
+
+
+def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
+            visible: torch.Tensor | None = None) -> torch.Tensor:
+    """softmax(q k^T * scale) v for one sequence in float64: q [M, Hq, D], k/v [N, Hkv, D]
+    (query head h reads KV head h // (Hq / Hkv)); ``visible`` [M, N] bool. A query that sees
+    no key gets zeros."""
+    m, hq, d = q.shape
+    out = torch.zeros(m, hq, d, dtype=torch.float64, device=q.device)
+    if k.shape[0] == 0 or m == 0:
+        return out
+    group = hq // k.shape[1]
+    q64, k64, v64 = q.double(), k.double(), v.double()
+    for h in range(hq):
+        scores = q64[:, h] @ k64[:, h // group].T * scale  # [M, N]
+        if visible is not None:
+            scores = scores.masked_fill(~visible, float("-inf"))
+        seen = torch.isfinite(scores).any(dim=1, keepdim=True)
+        weights = torch.softmax(torch.where(seen, scores, torch.zeros_like(scores)), dim=1)
+        weights = torch.where(seen, weights, torch.zeros_like(weights))
+        out[:, h] = weights @ v64[:, h // group]
+    return out
 
 
 def write_kv_cache(
@@ -17,29 +42,25 @@ def write_kv_cache(
     value: torch.Tensor,
     key_cache: torch.Tensor,  # [num_pages, num_kv_heads, page_size, head_dim]
     value_cache: torch.Tensor,
-    slot_mapping: torch.Tensor,  # [num_tokens] int64, -1 = padding
+    slot_mapping: torch.Tensor,  # [num_tokens] int64, negative = padding (writes nothing)
 ) -> None:
-    """Writes K/V rows into their slots; padding rows go to the null page 0, which nobody reads.
-
-    Done without a boolean mask (a host sync) so it also runs inside a captured step.
-    """
+    """Each token's K/V rows into its slot, one token at a time; padding writes nothing."""
     page_size = key_cache.shape[2]
-    slots = torch.clamp(slot_mapping, min=0)
-    pages = torch.div(slots, page_size, rounding_mode="floor")
-    offsets = slots - pages * page_size
-    # A padding slot -1 becomes slot 0: the null page's first row.
-    key_cache[pages, :, offsets] = key.to(key_cache.dtype)
-    value_cache[pages, :, offsets] = value.to(value_cache.dtype)
+    for i, slot in enumerate(slot_mapping.tolist()):
+        if slot < 0:
+            continue
+        page, offset = divmod(slot, page_size)
+        key_cache[page, :, offset] = key[i].to(key_cache.dtype)
+        value_cache[page, :, offset] = value[i].to(value_cache.dtype)
 
 
-def _gather_pages(cache: torch.Tensor, block_tables: torch.Tensor) -> torch.Tensor:
-    """[B, W] page ids -> [B, num_kv_heads, W * page_size, head_dim]."""
-    b, w = block_tables.shape
-    # index_select is much faster than advanced indexing on the strided page view.
-    pages = cache.index_select(0, block_tables.reshape(-1).long())  # [B * W, Hkv, P, D]
-    hkv, p, d = pages.shape[1:]
-    pages = pages.view(b, w, hkv, p, d)
-    return pages.permute(0, 2, 1, 3, 4).reshape(b, hkv, w * p, d)
+def _paged_rows(cache: torch.Tensor, table: list[int], length: int) -> torch.Tensor:
+    """The first ``length`` token rows of a sequence's pages: [length, num_kv_heads, D]."""
+    page_size = cache.shape[2]
+    rows = [cache[table[t // page_size], :, t % page_size] for t in range(length)]
+    if not rows:
+        return cache.new_zeros(0, cache.shape[1], cache.shape[3])
+    return torch.stack(rows)
 
 
 def paged_decode_attention(
@@ -50,22 +71,14 @@ def paged_decode_attention(
     seq_lens: torch.Tensor,  # [B] int32; 0 gives a zero output
     scale: float,
 ) -> torch.Tensor:
-    """One query token per sequence over its paged K/V, computed in float32."""
-    b, hq, d = query.shape
-    keys = _gather_pages(key_cache, block_tables).float()
-    values = _gather_pages(value_cache, block_tables).float()
-    hkv, length = keys.shape[1], keys.shape[2]
-    q = query.float().view(b, hkv, hq // hkv, d)
-    scores = torch.matmul(q, keys.transpose(-1, -2)) * scale  # [B, Hkv, G, L]
-    positions = torch.arange(length, device=query.device)
-    valid = (positions[None, :] < seq_lens[:, None]).view(b, 1, 1, length)
-    scores = scores.masked_fill(~valid, float("-inf"))
-    # A zero-length KV has every score at -inf: give it zero weights instead of NaN.
-    has_kv = valid.any(dim=-1, keepdim=True)
-    probs = torch.softmax(torch.where(has_kv, scores, torch.zeros_like(scores)), dim=-1)
-    probs = torch.where(has_kv & valid, probs, torch.zeros_like(probs))
-    out = torch.matmul(probs, values)  # [B, Hkv, G, D]
-    return out.reshape(b, hq, d).to(query.dtype)
+    """One query token per sequence over the first ``seq_lens[b]`` tokens of its pages."""
+    out = torch.empty_like(query)
+    tables, lens = block_tables.tolist(), seq_lens.tolist()
+    for b in range(query.shape[0]):
+        k = _paged_rows(key_cache, tables[b], lens[b])
+        v = _paged_rows(value_cache, tables[b], lens[b])
+        out[b] = _attend(query[b:b + 1], k, v, scale)[0].to(query.dtype)
+    return out
 
 
 def varlen_causal_attention(
@@ -75,16 +88,15 @@ def varlen_causal_attention(
     seq_lens: list[int],
     scale: float,
 ) -> torch.Tensor:
-    """Causal attention within each of the packed sequences (prompts start at position 0)."""
-    out = torch.empty_like(query)
+    """Causal attention within each of the packed sequences (prompts start at position 0);
+    rows after the last sequence are left as zeros."""
+    out = torch.zeros_like(query)
     start = 0
     for n in seq_lens:
         end = start + n
-        q = query[start:end].transpose(0, 1).unsqueeze(0)
-        k = key[start:end].transpose(0, 1).unsqueeze(0)
-        v = value[start:end].transpose(0, 1).unsqueeze(0)
-        o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=True)
-        out[start:end] = o[0].transpose(0, 1)
+        causal = torch.ones(n, n, dtype=torch.bool, device=query.device).tril()
+        out[start:end] = _attend(query[start:end], key[start:end], value[start:end], scale,
+                                 causal).to(query.dtype)
         start = end
     return out
 
@@ -96,17 +108,11 @@ def ranged_cross_attention(
     runs: list[tuple[int, int, int, int]],  # (q0, q1, kv0, kv1): queries q0..q1 see kv0..kv1
     scale: float,
 ) -> torch.Tensor:
-    """Cross-attention where each run of queries sees one contiguous range of vision tokens.
-
-    Queries outside every run, or in a run with an empty range, get zeros.
-    """
+    """Each run of queries attends its own range of vision tokens; queries outside every run,
+    or in a run with an empty range, get zeros."""
     out = torch.zeros_like(query)
     for q0, q1, kv0, kv1 in runs:
-        if kv1 <= kv0 or q1 <= q0:
-            continue
-        q = query[q0:q1].transpose(0, 1).unsqueeze(0)
-        k = key[kv0:kv1].transpose(0, 1).unsqueeze(0)
-        v = value[kv0:kv1].transpose(0, 1).unsqueeze(0)
-        o = F.scaled_dot_product_attention(q, k, v, scale=scale, enable_gqa=True)
-        out[q0:q1] = o[0].transpose(0, 1)
+        if kv1 > kv0 and q1 > q0:
+            out[q0:q1] = _attend(query[q0:q1], key[kv0:kv1], value[kv0:kv1],
+                                 scale).to(query.dtype)
     return out

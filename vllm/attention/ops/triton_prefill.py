@@ -1,16 +1,13 @@
-"""Prefill attention in Triton: causal self-attention over packed prompts, ranged cross-attention.
+"""Ranged cross-attention in Triton, with key splits: few queries over many vision tokens.
 
-Both kernels are flash-attention style: a program owns a tile of ``BLOCK_M`` queries of one
-head, streams ``BLOCK_N`` keys at a time through an online softmax in fp32, and writes its
-tile once. Prefill steps run eagerly (never captured), so the grids may use host lengths.
-
-* Causal (``varlen_causal_attention``): grid ``(cdiv(max_len, BLOCK_M), num_seqs, num_heads)``.
-  Key tiles strictly below the query tile's diagonal run unmasked; the diagonal tiles run with
-  the causal mask; tiles above it are never visited. Query heads of a GQA group read the same
-  K/V (from L2).
-* Ranged (``ranged_cross_attention``): every query ``t`` sees vision tokens
-  ``[ranges[t, 0], ranges[t, 1])`` of the step's packed K/V. A tile visits the union of its
-  queries' non-empty ranges with a per-query mask; queries with an empty range get zeros.
+Every query ``t`` sees vision tokens ``[ranges[t, 0], ranges[t, 1])`` of the step's packed
+K/V. The kernel is flash-attention style: a program owns a tile of ``BLOCK_M`` queries of one
+head, streams ``BLOCK_N`` keys at a time through an online softmax in fp32, and visits the
+union of its queries' non-empty ranges with a per-query mask (an empty range gives zeros).
+With key splits the tile's keys are shared out over several programs and merged after, which
+fills the GPU for the text of one image prompt (128 queries over 6,404 vision tokens) and for
+the vision tower's padding rows (``vision_attention.py``); SDPA is used elsewhere
+(``sdpa.py``). Prefill steps run eagerly (never captured), so the grids may use host lengths.
 """
 
 from __future__ import annotations
@@ -26,11 +23,7 @@ from vllm.attention.ops.triton_decode import LOG2E, dot_precision, online_softma
 
 @dataclass(frozen=True)
 class PrefillConfig:
-    """Tile shape and launch of the prefill kernels (sweep on the target GPU).
-
-    ``block_m`` must be a multiple of ``block_n`` (the causal kernel's unmasked loop ends at
-    the query tile's first row).
-    """
+    """Tile shape and launch of the ranged kernel (sweep on the target GPU)."""
 
     block_m: int = 128
     block_n: int = 64
@@ -56,83 +49,6 @@ def _load_rows(base_ptr, rows, stride_row, offs_d, mask):
     return tl.load(
         base_ptr + rows.to(tl.int64)[:, None] * stride_row + offs_d[None, :], mask=mask, other=0.0
     )
-
-
-@triton.jit
-def _varlen_causal_kernel(
-    q_ptr,
-    k_ptr,
-    v_ptr,
-    o_ptr,
-    query_start_loc_ptr,
-    scale_log2,
-    stride_qt,
-    stride_qh,
-    stride_kt,
-    stride_kh,
-    stride_vt,
-    stride_vh,
-    stride_ot,
-    stride_oh,
-    GROUP: tl.constexpr,
-    HEAD_DIM: tl.constexpr,
-    BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr,
-    BLOCK_D: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,
-):
-    """Grid (query tiles, sequences, query heads); tiles past a sequence's end exit at once."""
-    tile = tl.program_id(0)
-    seq = tl.program_id(1)
-    h = tl.program_id(2)
-    seq_start = tl.load(query_start_loc_ptr + seq)
-    seq_len = tl.load(query_start_loc_ptr + seq + 1) - seq_start
-    m0 = tile * BLOCK_M
-    if m0 < seq_len:
-        kvh = h // GROUP
-        offs_m = m0 + tl.arange(0, BLOCK_M)
-        offs_n = tl.arange(0, BLOCK_N)
-        offs_d = tl.arange(0, BLOCK_D)
-        d_mask = offs_d < HEAD_DIM
-        m_mask = offs_m < seq_len
-        q = _load_rows(
-            q_ptr + h * stride_qh,
-            seq_start + offs_m,
-            stride_qt,
-            offs_d,
-            m_mask[:, None] & d_mask[None, :],
-        )
-        k_base = k_ptr + kvh * stride_kh
-        v_base = v_ptr + kvh * stride_vh
-        m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
-        l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
-        acc = tl.zeros([BLOCK_M, BLOCK_D], dtype=tl.float32)
-        # Keys below m0 are visible to every query of the tile (and all exist): no mask.
-        for n0 in range(0, m0, BLOCK_N):
-            kv_rows = seq_start + n0 + offs_n
-            k = _load_rows(k_base, kv_rows, stride_kt, offs_d, d_mask[None, :])
-            v = _load_rows(v_base, kv_rows, stride_vt, offs_d, d_mask[None, :])
-            s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2
-            m_i, l_i, acc = online_softmax_update(s, v, m_i, l_i, acc, DOT_PRECISION)
-        # The diagonal: keys m0 .. min(m0 + BLOCK_M, seq_len), causally masked.
-        for n0 in range(m0, tl.minimum(m0 + BLOCK_M, seq_len), BLOCK_N):
-            keys = n0 + offs_n
-            n_mask = keys < seq_len
-            kv_mask = n_mask[:, None] & d_mask[None, :]
-            k = _load_rows(k_base, seq_start + keys, stride_kt, offs_d, kv_mask)
-            v = _load_rows(v_base, seq_start + keys, stride_vt, offs_d, kv_mask)
-            s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2
-            visible = (keys[None, :] <= offs_m[:, None]) & n_mask[None, :]
-            s = tl.where(visible, s, float("-inf"))
-            m_i, l_i, acc = online_softmax_update(s, v, m_i, l_i, acc, DOT_PRECISION)
-        # Every real query sees at least itself, so l_i > 0 on the rows that are stored.
-        out = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]
-        o_rows = (seq_start + offs_m).to(tl.int64)
-        tl.store(
-            o_ptr + h * stride_oh + o_rows[:, None] * stride_ot + offs_d[None, :],
-            out.to(o_ptr.dtype.element_ty),
-            mask=m_mask[:, None] & d_mask[None, :],
-        )
 
 
 # The token count varies with every prompt: one compiled variant for all of them.
@@ -277,57 +193,6 @@ def _check_qkv(
     assert key.shape == value.shape and key.shape[-1] == query.shape[-1]
     assert query.shape[1] % key.shape[1] == 0, "query heads must be a multiple of KV heads"
     return query, key, value, query.shape[1] // key.shape[1]
-
-
-def varlen_causal_attention(
-    query: torch.Tensor,  # [T, num_heads, head_dim]
-    key: torch.Tensor,  # [T, num_kv_heads, head_dim]
-    value: torch.Tensor,
-    query_start_loc: torch.Tensor,  # [num_seqs + 1] int32 on the device
-    max_seq_len: int,  # host maximum of the prompt lengths (sizes the grid)
-    scale: float,
-    *,
-    out: torch.Tensor | None = None,  # [T, num_heads, head_dim]
-    config: PrefillConfig | None = None,  # None: default_prefill_config(query.dtype)
-) -> torch.Tensor:
-    """Causal attention within each packed prompt (positions start at 0) -> [T, Hq, D]."""
-    query, key, value, group = _check_qkv(query, key, value)
-    cfg = config or default_prefill_config(query.dtype)
-    assert cfg.block_m % cfg.block_n == 0, "the unmasked loop needs block_m % block_n == 0"
-    assert query_start_loc.dtype == torch.int32
-    num_tokens, num_heads, head_dim = query.shape
-    if out is None:
-        out = torch.empty_like(query, memory_format=torch.contiguous_format)
-    assert out.shape == query.shape and out.stride(-1) == 1
-    num_seqs = query_start_loc.shape[0] - 1
-    if num_tokens == 0 or num_seqs == 0 or max_seq_len == 0:
-        return out
-    grid = (triton.cdiv(max_seq_len, cfg.block_m), num_seqs, num_heads)
-    _varlen_causal_kernel[grid](
-        query,
-        key,
-        value,
-        out,
-        query_start_loc,
-        scale * LOG2E,
-        query.stride(0),
-        query.stride(1),
-        key.stride(0),
-        key.stride(1),
-        value.stride(0),
-        value.stride(1),
-        out.stride(0),
-        out.stride(1),
-        GROUP=group,
-        HEAD_DIM=head_dim,
-        BLOCK_M=cfg.block_m,
-        BLOCK_N=cfg.block_n,
-        BLOCK_D=max(16, triton.next_power_of_2(head_dim)),
-        DOT_PRECISION=dot_precision(query.dtype),
-        num_warps=cfg.num_warps,
-        num_stages=cfg.num_stages,
-    )
-    return out
 
 
 def ranged_cross_attention(
