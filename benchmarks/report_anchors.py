@@ -154,7 +154,7 @@ def ttft_floor(model, copy_tb_s: float, num_tiles: int = 4) -> dict:
     # The split kernel is timed in a CUDA graph, as the vision graph runs it (eager, its two
     # ~10 us launches would be timed instead).
     pad_split = pad
-    ranges = padding_rows_ranges(tokens, valid, dev)
+    ranges = padding_rows_ranges(tokens, valid, dev, split=dev.type == "cuda")
     if ranges is not None:
         o = torch.empty_like(q)
         pad_split = min(pad, graph_ms(lambda: padding_rows_attention(q, k, vv, o, valid,

@@ -94,7 +94,8 @@ class SchedulerConfig:
 
 @dataclass(frozen=True)
 class CompilationConfig:
-    """CUDA-graph capture sizes for decode (batch buckets)."""
+    """Decode batch buckets: the CUDA-graph capture sizes (ascending, the last covering
+    ``max_num_seqs``), also the row buckets of the linear layers' kernel tables."""
 
     cuda_graph_sizes: tuple[int, ...] = ()
 

@@ -6,7 +6,7 @@ request and a two-image request with interleaved and spread prefills, so paged K
 RoPE, causal and ranged-cross prefill, and paged self and cross decode over padded graph
 batches all run. The second test also takes every CUDA-only code path of the model (fused
 norms, vision embedding, SiLU, row advance, in-graph argmax, key-split cross prefill with an
-H200's SM count) by making CPU tensors report ``is_cuda``. (On CUDA the engine runs these
+H200's SM count) by choosing the fused kernels at load on CPU. (On CUDA the engine runs these
 kernels anyway, compared with HF by the model tests.)"""
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 import torch
 from helpers.compare import check_logprobs_close, vllm_greedy
-from helpers.cuda_paths import force_cuda_code_paths
+from helpers.cuda_paths import use_fused_kernels
 from PIL import Image
 
 from vllm import LLM, SamplingParams
@@ -38,22 +38,23 @@ PROMPTS = [
 ]
 
 
-def _run(backend: str, monkeypatch, cuda_paths: bool = False) -> list:
-    import vllm.worker.model_runner as model_runner
+def _run(backend: str, monkeypatch, fused: bool = False) -> list:
     from vllm.attention.backends.torch_attn import TorchBackend
     from vllm.attention.backends.triton_attn import TritonBackend
+    from vllm.worker import loaded_model
 
-    make = {"triton": lambda device: TritonBackend(),
-            "torch": lambda device: TorchBackend()}[backend]
-    monkeypatch.setattr(model_runner, "get_attn_backend", make)
+    if fused:
+        use_fused_kernels(monkeypatch)
+    else:
+        make = {"triton": lambda device: TritonBackend(),
+                "torch": lambda device: TorchBackend()}[backend]
+        monkeypatch.setattr(loaded_model, "get_attn_backend", make)
     llm = LLM(model="demo/mllama-tiny", max_model_len=256, max_num_seqs=4, dtype="float32",
               limit_mm_per_prompt={"image": 2}, decode_interleave_tokens=256,
               encoder_layers_per_step=2, prefill_layers_per_step=2)
     engine = llm.llm_engine
     kind = type(engine.runner.model.language_model.model.layers[0].self_attn.attn.backend)
     assert kind is (TorchBackend if backend == "torch" else TritonBackend)
-    if cuda_paths:
-        force_cuda_code_paths(monkeypatch)
     params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True, logprobs=3)
     # Staggered arrivals: decode steps run between (and during spread) prefills.
     engine.add_request("0", PROMPTS[0], params)
@@ -94,7 +95,7 @@ def test_cuda_code_paths_match_reference(reference, monkeypatch) -> None:
         return init(self, args, kwargs)
 
     monkeypatch.setattr(interpreter.GridExecutor, "_init_args_hst", record)
-    out = _run("triton", monkeypatch, cuda_paths=True)
+    out = _run("triton", monkeypatch, fused=True)
     check_logprobs_close(reference, out, "torch", "cuda paths")
     assert {"_vision_embed_kernel", "_add_layer_norm_kernel", "_rms_norm_kernel",
             "_rope_kv_write_kernel", "_silu_and_mul_kernel", "_argmax_tiles_kernel",

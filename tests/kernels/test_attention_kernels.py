@@ -16,7 +16,7 @@ import torch
 
 from vllm.attention.backends.torch_attn import TorchBackend
 from vllm.attention.backends.triton_attn import TritonBackend
-from vllm.attention.metadata import AttentionMetadata
+from vllm.attention.metadata import DecodeMetadata, PrefillMetadata
 from vllm.attention.ops import reference as ref
 from vllm.attention.ops import sdpa
 from vllm.attention.ops.triton_decode import (
@@ -385,13 +385,10 @@ def test_split_cross_prefill_at_the_ttft_shape() -> None:
         out = ranged_cross_attention(q, vis_k, vis_v, ranges, 0.3, num_splits=n)
         torch.testing.assert_close(out.float(), expected.float(), **HALF_TOL)
         assert torch.equal(out[0], torch.zeros_like(out[0]))
-    md = AttentionMetadata(  # the default (SDPA) back-end takes the split kernel here
-        is_prefill=True, num_seqs=1, num_tokens=128,
-        slot_mapping=torch.full((128,), -1, dtype=torch.int64, device=DEVICE),
-        seq_lens_tensor=torch.tensor([128], dtype=torch.int32, device=DEVICE),
-        max_seq_len=128, block_tables=torch.zeros(1, 1, dtype=torch.int32, device=DEVICE),
-        query_start_loc=torch.tensor([0, 128], dtype=torch.int32, device=DEVICE),
-        seq_lens=[128], cross_kv_ranges=ranges, cross_range_runs=runs[1:])
+    md = PrefillMetadata(  # the default (SDPA) back-end takes the split kernel here
+        num_tokens=128, slot_mapping=torch.full((128,), -1, dtype=torch.int64, device=DEVICE),
+        seq_lens=[128], max_encoder_seq_len=6404, cross_kv_ranges=ranges,
+        cross_range_runs=runs[1:])
     got = TritonBackend().prefill_cross(q, vis_k, vis_v, md, 0.3)
     assert torch.equal(got, ranged_cross_attention(q, vis_k, vis_v, ranges, 0.3,
                                                    num_splits=splits))
@@ -400,7 +397,7 @@ def test_split_cross_prefill_at_the_ttft_shape() -> None:
 # ----------------------------------------------------------------------------- backend
 @pytest.mark.parametrize("num_sms", [None, 132])
 def test_backends_match_reference(num_sms: int | None) -> None:
-    """Every method of both back-ends against the oracle through AttentionMetadata (tiny
+    """Every method of both back-ends against the oracle through the step metadata (tiny
     shapes); ``num_sms=132`` makes the Triton back-end split the cross prefill's keys as on an
     H200."""
     gen, hq, hkv, d, page = _gen(13), 4, 2, 32, 4
@@ -409,16 +406,11 @@ def test_backends_match_reference(num_sms: int | None) -> None:
     q, k, v = _packed_qkv(sum(lens), hq, hkv, d, torch.float32, gen)
     ranges = torch.tensor([[0, 0]] * 3 + [[0, 20]] * 36, dtype=torch.int32, device=DEVICE)
     vis_k, vis_v = (_randn(20, hkv, d, gen=gen) for _ in range(2))
-    prefill = AttentionMetadata(
-        is_prefill=True,
-        num_seqs=2,
+    prefill = PrefillMetadata(
         num_tokens=39,
         slot_mapping=torch.full((39,), -1, dtype=torch.int64, device=DEVICE),
-        seq_lens_tensor=torch.tensor(lens, dtype=torch.int32, device=DEVICE),
-        max_seq_len=30,
-        block_tables=torch.zeros(2, 1, dtype=torch.int32, device=DEVICE),
-        query_start_loc=torch.tensor([0, 9, 39], dtype=torch.int32, device=DEVICE),
         seq_lens=lens,
+        max_encoder_seq_len=20,
         cross_kv_ranges=ranges,
         cross_range_runs=[(3, 39, 0, 20)],
     )
@@ -448,10 +440,7 @@ def test_backends_match_reference(num_sms: int | None) -> None:
     tkc, tvc = _views_like(torch_pool, kc, vc)
     torch_be.write_kv(new_k, new_v, tkc, tvc, slots)
     assert torch.equal(torch_pool[1:], ref_pool[1:])  # the torch write also fills the null page
-    decode = AttentionMetadata(
-        is_prefill=False,
-        num_seqs=3,
-        num_tokens=3,
+    decode = DecodeMetadata(
         slot_mapping=slots,
         seq_lens_tensor=seq_lens,
         max_seq_len=10_000,
@@ -519,10 +508,7 @@ def test_cuda_graph_replay_matches_eager() -> None:
     gen, bs, hq, hkv, d, page, width = _gen(31), 8, 32, 8, 128, 16, 400
     pool, kc, vc = make_pool(bs * width + 1, hkv, page, d, torch.bfloat16, gen)
     q, new_k, new_v = (_randn(bs, h, d, gen=gen, dtype=torch.bfloat16) for h in (hq, hkv, hkv))
-    md = AttentionMetadata(
-        is_prefill=False,
-        num_seqs=bs,
-        num_tokens=bs,
+    md = DecodeMetadata(
         slot_mapping=torch.full((bs,), -1, dtype=torch.int64, device=DEVICE),
         seq_lens_tensor=torch.zeros(bs, dtype=torch.int32, device=DEVICE),
         max_seq_len=0,

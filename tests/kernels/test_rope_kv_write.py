@@ -13,7 +13,7 @@ import torch
 from vllm.attention.backends.torch_attn import TorchBackend
 from vllm.attention.backends.triton_attn import TritonBackend
 from vllm.attention.layer import Attention
-from vllm.attention.metadata import AttentionMetadata
+from vllm.attention.metadata import DecodeMetadata, PrefillMetadata
 from vllm.attention.ops.triton_kv_write import rope_and_write_kv_cache, write_kv_cache
 from vllm.forward_context import set_forward_context
 from vllm.model_executor.layers.fused_kernels import rotary_inplace
@@ -102,7 +102,7 @@ class _TritonWithReferenceDecode(TritonBackend):
     is about RoPE and the cache contents, the decode kernel has tests of its own."""
 
     def decode_self(self, query: torch.Tensor, key_cache: torch.Tensor,
-                    value_cache: torch.Tensor, md: AttentionMetadata,
+                    value_cache: torch.Tensor, md: DecodeMetadata,
                     scale: float) -> torch.Tensor:
         return TorchBackend().decode_self(query, key_cache, value_cache, md, scale)
 
@@ -118,15 +118,18 @@ def _layer_step(backend: TritonBackend | TorchBackend, is_prefill: bool,
     layer = Attention(4, 2, 16)
     layer.backend, layer.kv_cache = backend, kv_cache
     t = qkv.shape[0]
-    md = AttentionMetadata(
-        is_prefill=is_prefill, num_seqs=2 if is_prefill else t, num_tokens=t,
-        slot_mapping=slots,
-        seq_lens_tensor=torch.tensor([5, 4] if is_prefill else [6, 5, 0], dtype=torch.int32,
-                                     device=DEVICE),
-        max_seq_len=6,
-        block_tables=torch.tensor([[1, 2], [3, 4], [0, 0]], dtype=torch.int32, device=DEVICE),
-        seq_lens=[5, 4] if is_prefill else None,
-    )
+    md: PrefillMetadata | DecodeMetadata
+    if is_prefill:
+        md = PrefillMetadata(num_tokens=t, slot_mapping=slots, seq_lens=[5, 4])
+    else:
+        md = DecodeMetadata(
+            slot_mapping=slots,
+            seq_lens_tensor=torch.tensor([6, 5, 0], dtype=torch.int32, device=DEVICE),
+            block_tables=torch.tensor([[1, 2], [3, 4], [0, 0]], dtype=torch.int32,
+                                      device=DEVICE),
+            encoder_seq_lens_tensor=torch.zeros(t, dtype=torch.int32, device=DEVICE),
+            cross_block_tables=torch.zeros(t, 1, dtype=torch.int32, device=DEVICE),
+            max_seq_len=6, max_encoder_seq_len=0)
     with set_forward_context(md):
         return layer(*_split(qkv, 4, 2, 16), positions, rotary)
 
@@ -167,7 +170,7 @@ class _StalePadding(TorchBackend):
     """TORCH whose prefill leaves stale memory (NaN) in the rows outside every sequence,
     as every back-end's ``empty_like`` output may."""
 
-    def prefill_self(self, query, key, value, md: AttentionMetadata,
+    def prefill_self(self, query, key, value, md: PrefillMetadata,
                      scale: float) -> torch.Tensor:
         out = super().prefill_self(query, key, value, md, scale)
         out[sum(md.seq_lens):] = float("nan")
@@ -185,11 +188,9 @@ def test_prefill_padding_rows_leave_the_layer_zeroed() -> None:
     def run(rows: int, pad: int) -> torch.Tensor:
         layer = Attention(4, 2, 16)
         layer.backend = _StalePadding()
-        md = AttentionMetadata(
-            is_prefill=True, num_seqs=2, num_tokens=rows,
-            slot_mapping=torch.full((rows,), -1, dtype=torch.int64, device=DEVICE),
-            seq_lens_tensor=torch.tensor([5, 4], dtype=torch.int32, device=DEVICE),
-            max_seq_len=5, block_tables=torch.zeros(2, 1, dtype=torch.int32, device=DEVICE),
+        md = PrefillMetadata(
+            num_tokens=rows, slot_mapping=torch.full((rows,), -1, dtype=torch.int64,
+                                                     device=DEVICE),
             seq_lens=[5, 4], num_padding=pad)
         with set_forward_context(md):
             return layer(*_split(qkv[:rows].clone(), 4, 2, 16), positions[:rows], rotary)

@@ -6,7 +6,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from vllm.forward_context import set_forward_context
 from vllm.model_executor.layers.fused_kernels import silu_and_mul
+from vllm.model_executor.layers.kernel_target import KernelTarget, select_kernels
 from vllm.model_executor.layers.linear import Linear
 from vllm.model_executor.layers.skinny_gemm import (
     _TUNED,
@@ -57,18 +59,68 @@ def test_rejects_k_not_a_multiple_of_the_block() -> None:
         skinny_gemm(x, w, GemmConfig(16, 32, 128))
 
 
-def test_dispatch_only_for_tuned_cuda_shapes() -> None:
-    """cuBLAS stays in charge of every shape the sweep did not favour, and of CPU tensors."""
-    w = torch.empty(4096, 4096, dtype=torch.bfloat16)
-    assert tuned_config(torch.empty(1, 4096, dtype=torch.bfloat16), w) is None  # CPU
+def _kernel_kinds(layer: Linear, silu: bool = False) -> list[str]:
+    """What each kernel-table entry runs: ``skinny``, ``cublaslt`` or ``torch``."""
+    names = {"linear_kernel": "skinny", "silu_kernel": "skinny", "_cublaslt_linear": "cublaslt",
+             "_torch_linear": "torch"}
+    table = layer._silu_kernels if silu else layer._kernels
+    return ["none" if k is None else names[k.__qualname__.split(".")[0]] for k in table]
+
+
+BUCKETS = (1, 8, 16, 24, 64, 128)
+
+
+@pytest.mark.parametrize("device", ["cpu", "cuda"])
+def test_kernel_table_takes_the_tuned_gemm_only_where_it_was_faster(device: str) -> None:
+    """Chosen at load per row bucket: the Triton GEMM for the tuned (bucket, N, K), cuBLASLt for
+    the other decode buckets on CUDA, the default GEMM for any other row count (the last entry)
+    and for every entry with torch kernels; fp32 weights never take the Triton GEMM. (Building
+    the table launches nothing, so the CUDA target is checked without a GPU too.)"""
+    lin = Linear(4096, 4096).to(torch.bfloat16)
+    decode = "cublaslt" if device == "cuda" else "torch"
+    lin.select_kernels(KernelTarget(torch.device(device), fused=True, row_buckets=BUCKETS))
+    assert _kernel_kinds(lin) == ["skinny"] * 3 + [decode] * 3 + ["torch"]  # 16-row tiles
     assert row_bucket(1) == row_bucket(16) == 16 and row_bucket(64) == 64 and row_bucket(65) == 0
     for (bucket, _n, k), cfg in _TUNED.items():
         assert k % cfg.block_k == 0 and cfg.block_m >= min(bucket, 16)
-    if DEVICE == "cuda":
-        wc = w.cuda()
-        assert tuned_config(torch.empty(8, 4096, dtype=torch.bfloat16, device="cuda"), wc)
-        assert tuned_config(torch.empty(128, 4096, dtype=torch.bfloat16, device="cuda"), wc) is None
-        assert tuned_config(torch.empty(8, 4096, device="cuda"), wc.float()) is None  # fp32
+        assert tuned_config(bucket, _n, k, torch.bfloat16) == cfg
+        assert tuned_config(bucket, _n, k, torch.float32) is None
+    lin.select_kernels(KernelTarget(torch.device(device), fused=False, row_buckets=BUCKETS))
+    assert _kernel_kinds(lin) == ["torch"] * 7
+    lin32 = Linear(4096, 4096)
+    lin32.select_kernels(KernelTarget(torch.device(device), fused=True, row_buckets=BUCKETS))
+    assert _kernel_kinds(lin32) == [decode] * 6 + ["torch"]
+
+
+def test_forward_runs_the_bucket_kernel() -> None:
+    """``Linear.forward`` indexes its table with the forward context's row bucket."""
+    from vllm.forward_context import set_forward_context
+
+    lin = Linear(8, 4)
+    calls = []
+    lin._kernels = [lambda x, out, i=i: calls.append(i) or x[:, :4] for i in range(3)]
+    x = torch.zeros(2, 8)
+    lin(x)  # outside a step: any row count, the last entry
+    for bucket in (0, 1):
+        with set_forward_context(None, row_bucket=bucket):
+            lin(x)
+    assert calls == [2, 0, 1]
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cublaslt_kernel_restores_the_blas_library() -> None:
+    from vllm.model_executor.layers.linear import _cublaslt_linear
+
+    lin = Linear(64, 32).cuda().to(torch.bfloat16)
+    with torch.no_grad():
+        lin.weight.normal_()
+    before = torch.backends.cuda.preferred_blas_library()
+    x = torch.randn(8, 64, device="cuda", dtype=torch.bfloat16)
+    torch.testing.assert_close(_cublaslt_linear(lin)(x, None), F.linear(x, lin.weight))
+    assert torch.backends.cuda.preferred_blas_library() == before
+    with pytest.raises(RuntimeError):
+        _cublaslt_linear(lin)(torch.randn(8, 63, device="cuda", dtype=torch.bfloat16), None)
+    assert torch.backends.cuda.preferred_blas_library() == before
 
 
 def test_linear_out_argument_matches_float_of_result() -> None:
@@ -97,18 +149,23 @@ def test_silu_epilogue_equals_gemm_then_silu_and_mul(m: int) -> None:
     torch.testing.assert_close(y.float(), ref, rtol=2 ** -5, atol=2 ** -7)
 
 
-def test_silu_dispatch_only_for_tuned_cuda_shapes() -> None:
-    w = torch.empty(2 * 14336, 4096, dtype=torch.bfloat16)
-    assert tuned_silu_config(torch.empty(1, 4096, dtype=torch.bfloat16), w) is None  # CPU
+def test_silu_table_only_for_tuned_shapes() -> None:
+    """The gate|up layer's fused SiLU kernel where it measured faster (decode buckets up to 64
+    rows of the 11B shape); None elsewhere (the GEMM and the activation kernel)."""
+    from vllm.model_executor.layers.linear import MergedLinear
+
+    gate_up = MergedLinear(4096, [14336, 14336], ["gate", "up"]).to(torch.bfloat16)
+    gate_up.select_kernels(KernelTarget(torch.device("cpu"), fused=True, row_buckets=BUCKETS))
+    assert _kernel_kinds(gate_up, silu=True) == ["skinny"] * 5 + ["none"] * 2
     for (bucket, n2, k), cfg in _TUNED_SILU.items():
         assert n2 % 2 == 0 and k % cfg.block_k == 0 and cfg.block_m >= min(bucket, 16)
-    if DEVICE == "cuda":
-        wc = w.cuda()
-        for m, bucket in ((1, 16), (16, 16), (24, 32), (64, 64)):
-            cfg = tuned_silu_config(torch.empty(m, 4096, dtype=torch.bfloat16, device="cuda"), wc)
-            assert cfg == _TUNED_SILU[(bucket, 2 * 14336, 4096)]
-        assert tuned_silu_config(torch.empty(65, 4096, dtype=torch.bfloat16, device="cuda"),
-                                 wc) is None  # prefill sizes: cuBLAS and the activation kernel
+    for m, bucket in ((1, 16), (16, 16), (24, 32), (64, 64)):
+        cfg = tuned_silu_config(m, 2 * 14336, 4096, torch.bfloat16)
+        assert cfg == _TUNED_SILU[(bucket, 2 * 14336, 4096)]
+    assert tuned_silu_config(65, 2 * 14336, 4096, torch.bfloat16) is None
+    qkv = MergedLinear(4096, [4096, 1024, 1024], ["q", "k", "v"]).to(torch.bfloat16)
+    qkv.select_kernels(KernelTarget(torch.device("cpu"), fused=True, row_buckets=BUCKETS))
+    assert _kernel_kinds(qkv, silu=True) == ["none"] * 7
     with pytest.raises(ValueError, match="input of shape"):
         skinny_gemm_silu(torch.empty(2, 64, dtype=torch.bfloat16, device=DEVICE),
                          torch.empty(63, 64, dtype=torch.bfloat16, device=DEVICE))
@@ -128,10 +185,12 @@ def test_11b_mlp_with_the_fused_epilogue() -> None:
         for p in mlp.parameters():
             p.copy_(torch.randn(p.shape, generator=g, device="cuda") * 0.02)
     mlp = mlp.to(torch.bfloat16)
-    for m in (1, 16, 24, 64):
+    sizes = (1, 16, 24, 64)
+    select_kernels(mlp, KernelTarget(torch.device("cuda"), fused=True, row_buckets=sizes))
+    for bucket, m in enumerate(sizes):
         x = torch.randn(m, 4096, generator=g, device="cuda").bfloat16()
-        assert tuned_silu_config(x, mlp.gate_up_proj.weight) is not None
-        with torch.no_grad():
+        assert mlp.gate_up_proj._silu_kernels[bucket] is not None
+        with torch.no_grad(), set_forward_context(None, row_bucket=bucket):
             y = mlp(x)
             unfused = mlp.down_proj(silu_and_mul(F.linear(x, mlp.gate_up_proj.weight)))
             torch.testing.assert_close(y.float(), unfused.float(), rtol=2 ** -5, atol=1e-2)

@@ -84,18 +84,15 @@ def test_padding_rows_match_sdpa_over_valid_keys(num_splits: int) -> None:
     assert (out[:, :, num_valid:] - padding_before).abs().max() > 1e-3
 
 
-def test_padding_rows_ranges_choose_the_split_kernel_only_for_few_rows_on_cuda() -> None:
-    cpu = torch.device("cpu")
-    assert padding_rows_ranges(6432, 6404, cpu) is None
-    if DEVICE.type != "cuda":
-        return
-    ranges = padding_rows_ranges(6432, 6404, DEVICE)
+def test_padding_rows_ranges_choose_the_split_kernel_only_for_few_rows() -> None:
+    assert padding_rows_ranges(6432, 6404, DEVICE, split=False) is None  # torch kernels
+    ranges = padding_rows_ranges(6432, 6404, DEVICE, split=True)
     assert ranges is not None and ranges.shape == (28, 2)
-    assert ranges.dtype == torch.int32
+    assert ranges.dtype == torch.int32 and ranges.device == DEVICE
     assert (ranges[:, 0] == 0).all() and (ranges[:, 1] == 6404).all()
-    assert padding_rows_ranges(6432, 6432, DEVICE) is None  # no padding
-    assert padding_rows_ranges(6432, 1601, DEVICE) is None  # 4,831 rows: SDPA
-    assert padding_rows_ranges(100 + MAX_SPLIT_PADDING_ROWS, 100, DEVICE) is not None
+    assert padding_rows_ranges(6432, 6432, DEVICE, split=True) is None  # no padding
+    assert padding_rows_ranges(6432, 1601, DEVICE, split=True) is None  # 4,831 rows: SDPA
+    assert padding_rows_ranges(100 + MAX_SPLIT_PADDING_ROWS, 100, DEVICE, split=True) is not None
 
 
 @pytest.mark.gpu
@@ -105,7 +102,7 @@ def test_padding_rows_at_the_11b_shape() -> None:
     and split count, inside a CUDA graph as the vision graph runs it."""
     length, num_valid = 6432, 6404
     q, k, v = _projected(1, length, 16, 80, torch.bfloat16, seed=6)
-    ranges = padding_rows_ranges(length, num_valid, DEVICE)
+    ranges = padding_rows_ranges(length, num_valid, DEVICE, split=True)
     out = sdpa(q, k, v)
     padding_rows_attention(q, k, v, out, num_valid, ranges)
     expected = _expected(q, k, v, num_valid)
@@ -128,7 +125,7 @@ def test_vision_attention_at_the_11b_shape(num_tiles: int) -> None:
     dense-mask reference in fp32, bf16 inputs."""
     length, num_valid = 6432, 1601 * num_tiles
     q, k, v = _projected(1, length, 16, 80, torch.bfloat16, seed=7 + num_tiles)
-    ranges = padding_rows_ranges(length, num_valid, DEVICE)
+    ranges = padding_rows_ranges(length, num_valid, DEVICE, split=True)
     assert (ranges is not None) == (num_tiles == 4)
     got = vision_attention(q, k, v, num_valid, ranges)
     torch.testing.assert_close(got.float(), _dense_mask_reference(q, k, v, num_valid),

@@ -108,7 +108,7 @@ def test_graph_equals_eager_padded_to_same_bucket(pair) -> None:
     with torch.inference_mode():
         for cross in (False, True):
             tokens, positions = state.tokens.clone(), state.positions.clone()
-            logits, _, greedy = graphs.run(rows, cross=cross)
+            logits, _, greedy, _ = graphs.run(rows, cross=cross)
             replayed, greedy = logits.clone(), greedy.clone()
             # The graph also advanced the rows with its greedy tokens (padding row untouched).
             advanced_tokens, advanced_positions = tokens.clone(), positions.clone()
@@ -118,9 +118,8 @@ def test_graph_equals_eager_padded_to_same_bucket(pair) -> None:
             assert torch.equal(state.positions, advanced_positions)
             state.tokens.copy_(tokens)
             state.positions.copy_(positions)
-            eager = runner.decode_forward(padded, graphs.width, graphs.cross_width,
-                                          graphs.max_seq_len,
-                                          graphs.max_encoder_seq_len if cross else 0)[:3]
+            eager = runner.decode_forward(padded, graphs.shape(4, "cross" if cross
+                                                               else "text"))[:3]
             assert torch.equal(replayed, eager)
             assert torch.equal(greedy, eager.argmax(dim=-1))
     _finish(llm)

@@ -48,7 +48,8 @@ def test_step_launches_do_not_synchronise(spread: int) -> None:
               limit_mm_per_prompt={"image": 2}, decode_interleave_tokens=256,
               encoder_layers_per_step=2, prefill_layers_per_step=spread)
     engine = llm.llm_engine
-    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=2)
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=2,
+                            prompt_logprobs=2)
     image = {"prompt": "<|image|><|begin_of_text|>What is it", "multi_modal_data":
              {"image": _image(0)}}
     llm.generate([image, "warm up"], params, use_tqdm=False)  # first-use allocations
@@ -73,5 +74,30 @@ def test_step_launches_do_not_synchronise(spread: int) -> None:
             break
     assert set(done) == {"long", "img", "txt"}
     assert all(o.error is None and len(o.outputs[0].token_ids) == 12 for o in done.values())
+    assert all(len(o.prompt_logprobs) == len(o.prompt_token_ids) for o in done.values())
     assert runner.stats.images_encoded_ahead >= 1
     assert (runner.stats.spread_prefills > 0) == bool(spread)
+
+
+def test_prompt_logprobs_reach_the_host_only_at_collect() -> None:
+    """A launched prefill holds its prompt logprobs as device results being copied, like the
+    sampled tokens; the lists appear when the step is collected (CPU and CUDA alike, where
+    the sync check above covers only CUDA: a CPU tensor's ``tolist`` is no dispatched op)."""
+    llm = LLM(model="demo/mllama-tiny", max_model_len=256, max_num_seqs=4)
+    engine = llm.llm_engine
+    params = SamplingParams(temperature=0, max_tokens=2, prompt_logprobs=3)
+    engine.add_request("p", {"prompt": "<|begin_of_text|>Look at <|image|>this",
+                             "multi_modal_data": {"image": _image(3)}}, params)
+    out = engine.scheduler.schedule()
+    assert out is not None and out.is_prefill
+    handle = engine.runner.launch(out)
+    assert handle.result.prompt_logprobs == {}
+    vals, ids, ranks, images = handle.prompt_logprobs["p"]
+    n = len(out.prefill_seqs[0].token_ids) - 1
+    assert all(isinstance(t, torch.Tensor) for t in (vals, ids, ranks))
+    assert vals.shape == ids.shape == (n, 4) and ranks.shape == (n,)
+    result = engine.runner.collect(handle)
+    got_vals, got_ids, got_ranks = result.prompt_logprobs["p"]
+    assert len(got_vals) == len(got_ids) == len(got_ranks) == n
+    # The image token's position has rank 0 (no logprob); every other rank is a real rank.
+    assert sum(images) == 1 and [r == 0 for r in got_ranks] == images

@@ -2,14 +2,12 @@
 
 from __future__ import annotations
 
-from types import SimpleNamespace
-
 import pytest
 import torch
-from helpers.cuda_paths import force_cuda_code_paths
+from helpers.cuda_paths import use_fused_kernels
 
 from vllm.engine.arg_utils import EngineArgs
-from vllm.worker.memory import _profile_inputs
+from vllm.worker.memory import profile_inputs
 
 
 @pytest.mark.parametrize(("max_model_len", "max_num_seqs", "batched"),
@@ -23,7 +21,7 @@ def test_profile_prompts_fit_max_model_len_and_the_budgets(
                      max_num_seqs=max_num_seqs, max_num_batched_tokens=batched,
                      limit_mm_per_prompt={"image": 2}).create_engine_config()
     sc, v = cfg.scheduler_config, cfg.model_config.spec.vision
-    prompts = _profile_inputs(SimpleNamespace(config=cfg))
+    prompts = profile_inputs(cfg)
     lengths = [len(p.prompt_token_ids) for p in prompts]
     assert len(prompts) <= max_num_seqs
     assert max(lengths) <= max_model_len
@@ -43,22 +41,20 @@ def test_profile_prefill_stays_in_bounds(monkeypatch) -> None:
     prompts past max_model_len (as before the cap) the RoPE kernel reads past its tables here;
     then the CUDA wrapper's bookkeeping around it (no GPU: its torch.cuda calls stubbed)."""
     pytest.importorskip("triton")
-    import vllm.worker.model_runner as model_runner
-    from vllm import LLM
-    from vllm.attention.backends.triton_attn import TritonBackend
     from vllm.worker import memory
+    from vllm.worker.loaded_model import load_model
 
-    monkeypatch.setattr(model_runner, "get_attn_backend", lambda device: TritonBackend())
-    llm = LLM(model="demo/mllama-tiny", max_model_len=128, max_num_seqs=2,
-              max_num_batched_tokens=256, max_num_encoder_tiles=4,
-              limit_mm_per_prompt={"image": 1})
-    runner = llm.llm_engine.runner
+    cfg = EngineArgs(model="demo/mllama-tiny", max_model_len=128, max_num_seqs=2,
+                     max_num_batched_tokens=256, max_num_encoder_tiles=4,
+                     limit_mm_per_prompt={"image": 1}).create_engine_config()
     with monkeypatch.context() as m:
-        force_cuda_code_paths(m)
-        logits = memory.run_profile_prefill(runner)
-    assert logits.shape[0] == len(_profile_inputs(runner)) and torch.isfinite(logits).all()
+        use_fused_kernels(m)
+        loaded = load_model(cfg)
+    assert loaded.kernels.fused
+    logits = memory.run_profile_prefill(cfg, loaded.model, loaded.layout)
+    assert logits.shape[0] == len(profile_inputs(cfg)) and torch.isfinite(logits).all()
     for name in ("synchronize", "reset_peak_memory_stats", "empty_cache"):
         monkeypatch.setattr(torch.cuda, name, lambda: None)
     monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda: 12345)
-    monkeypatch.setattr(memory, "run_profile_prefill", lambda r: torch.zeros(1))
-    assert memory.profile_prefill_peak(runner) == 12345
+    monkeypatch.setattr(memory, "run_profile_prefill", lambda *args: torch.zeros(1))
+    assert memory.profile_prefill_peak(cfg, loaded) == 12345

@@ -36,7 +36,7 @@ def test_prefill_metadata_for_a_mixed_batch() -> None:
     b = build_prefill_batch(items, block_size=4, cross_block_size=8, device=torch.device("cpu"))
     md = b.metadata
     assert md.is_prefill and md.num_seqs == 3 and md.num_tokens == 15
-    assert md.seq_lens == [3, 6, 6] and md.query_start_loc.tolist() == [0, 3, 9, 15]
+    assert md.seq_lens == [3, 6, 6]
     assert b.logits_indices.tolist() == [2, 8, 14]
     assert b.positions.tolist() == [0, 1, 2, 0, 1, 2, 3, 4, 5, 0, 1, 2, 3, 4, 5]
     assert md.slot_mapping.tolist()[:9] == [28, 29, 30, 12, 13, 14, 15, 24, 25]
@@ -54,7 +54,7 @@ def test_prefill_metadata_for_a_mixed_batch() -> None:
     # Attention calls: adjacent runs with the same vision range are merged.
     assert md.cross_range_runs == [(3, 9, 0, 10), (10, 12, 10, 15), (12, 13, 15, 30),
                                    (13, 15, 15, 40)]
-    assert md.encoder_seq_lens == [0, 10, 25] and md.max_encoder_seq_len == 25
+    assert md.max_encoder_seq_len == 25
     # Only the last image group of each request is cached, in its cross pages.
     assert md.cross_cache_src.tolist() == list(range(0, 10)) + list(range(15, 40))
     cross = md.cross_slot_mapping.tolist()
@@ -202,7 +202,7 @@ def test_padded_prefill_batch_keeps_the_real_rows() -> None:
     assert b.slot_mapping.tolist() == a.slot_mapping.tolist() + [-1] * 9
     assert b.cross_kv_ranges.tolist() == a.cross_kv_ranges.tolist() + [[0, 0]] * 9
     assert torch.equal(padded.logits_indices, exact.logits_indices)
-    for name in ("seq_lens", "encoder_seq_lens", "cross_range_runs", "max_seq_len"):
+    for name in ("seq_lens", "max_encoder_seq_len", "cross_range_runs"):
         assert getattr(a, name) == getattr(b, name), name
-    for name in ("query_start_loc", "cross_cache_src", "cross_slot_mapping"):
+    for name in ("cross_cache_src", "cross_slot_mapping"):
         assert torch.equal(getattr(a, name), getattr(b, name)), name

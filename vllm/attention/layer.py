@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 from vllm.attention.backends.abstract import AttentionBackend, RopeFusingBackend
-from vllm.attention.metadata import AttentionMetadata
+from vllm.attention.metadata import AttentionMetadata, PrefillMetadata
 from vllm.forward_context import get_attention_metadata
 
 if TYPE_CHECKING:
@@ -52,7 +52,7 @@ class Attention(_PagedAttentionBase):
         backend = self.backend
         assert backend is not None, "attention back-end not bound"
         q, k, v = self._rope_and_write(backend, md, q, k, v, positions, rotary)
-        if md.is_prefill:
+        if isinstance(md, PrefillMetadata):
             out = backend.prefill_self(q, k, v, md, self.scale)
             if md.num_padding:
                 # The back-ends leave rows outside every sequence unwritten: zeroed, the
@@ -102,7 +102,7 @@ class CrossAttention(_PagedAttentionBase):
         backend = self.backend
         assert backend is not None, "attention back-end not bound"
         q, k, v = self._views(q, k, v)
-        if md.is_prefill:
+        if isinstance(md, PrefillMetadata):
             assert k is not None and v is not None, "prefill cross-attention needs vision K/V"
             if self.kv_cache is not None and md.cross_cache_src is not None:
                 src = md.cross_cache_src

@@ -1,10 +1,13 @@
 """Per-step attention metadata: one instance describes every attention layer's inputs for a step.
 
-A step is either a prefill step (whole prompts, packed back to back; no chunking, no prefix
-reuse) or a decode step (one token per sequence). Tensors live on the model's device; the
-``int``/``list`` fields are host values the runner already holds, so nothing here needs a
-device-to-host read. Under a CUDA graph the forward may only read host fields that are fixed
-for the graph (see ``vllm/worker/cuda_graph.py``).
+A step is a prefill (whole prompts packed back to back; no chunking, no prefix reuse) or a
+decode (one token per sequence), each with its own type:
+
+* :class:`DecodeMetadata` is what a captured decode graph reads: device tensors and integers
+  fixed for the graph (its static maxima), nothing else. The type checks that on construction,
+  so a host list can never reach captured code.
+* :class:`PrefillMetadata` (eager, never captured) also carries host values the runner already
+  holds (prompt lengths, the runs of queries that share a vision range) that size its loops.
 
 Caches are paged. Page ``0`` is the null page: it is never allocated, padding rows point their
 block tables at it with length 0, and the CPU cache write diverts padding slots (``-1``) into it.
@@ -12,53 +15,83 @@ block tables at it with length 0, and the CPU cache write diverts padding slots 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
+from typing import ClassVar
 
 import torch
 
 
-@dataclass
-class AttentionMetadata:
-    """Inputs of the self- and cross-attention layers for one step."""
+@dataclass(frozen=True)
+class DecodeMetadata:
+    """Inputs of the self- and cross-attention layers for a decode step."""
 
-    is_prefill: bool
-    num_seqs: int
-    num_tokens: int
-    # Self-attention.
+    is_prefill: ClassVar[bool] = False
+
+    slot_mapping: torch.Tensor  # [B] int64; -1 writes nothing (padding rows)
+    seq_lens_tensor: torch.Tensor  # [B] int32: context length including this step's token
+    block_tables: torch.Tensor  # [B, W] int32
+    # Cached vision tokens (the last image group) per sequence; 0: the sequence has no image.
+    encoder_seq_lens_tensor: torch.Tensor  # [B] int32
+    cross_block_tables: torch.Tensor  # [B, Wc] int32
+    max_seq_len: int  # static for a graph (max_model_len); never read by the kernels
+    # 0 skips the cross layers (the text graph family); a graph bakes it in at capture.
+    max_encoder_seq_len: int
+
+    def __post_init__(self) -> None:
+        for f in fields(self):
+            value = getattr(self, f.name)
+            kind = torch.Tensor if f.type == "torch.Tensor" else int
+            if not isinstance(value, kind) or isinstance(value, bool):
+                raise TypeError(f"DecodeMetadata.{f.name} must be a {kind.__name__} (captured "
+                                f"code reads only device tensors and capture-time integers), "
+                                f"got {type(value).__name__}")
+
+    @property
+    def num_seqs(self) -> int:
+        return self.slot_mapping.shape[0]
+
+    @property
+    def skip_cross_attention(self) -> bool:
+        """Decided on the capture-time integer alone: a graph never branches on data."""
+        return self.max_encoder_seq_len == 0
+
+    def cross_row_mask(self) -> torch.Tensor:
+        """[B, 1] bool: True where the sequence has an image (derived on the device, so one
+        graph serves text-only and image rows)."""
+        return (self.encoder_seq_lens_tensor > 0).unsqueeze(-1)
+
+
+@dataclass(frozen=True)
+class PrefillMetadata:
+    """Inputs of the self- and cross-attention layers for a prefill step (run eagerly)."""
+
+    is_prefill: ClassVar[bool] = True
+
+    num_tokens: int  # rows of the step, padding rows included
     slot_mapping: torch.Tensor  # [num_tokens] int64; -1 writes nothing
-    seq_lens_tensor: torch.Tensor  # [num_seqs] int32: context length including this step's tokens
-    max_seq_len: int
-    block_tables: torch.Tensor  # [num_seqs, max_blocks] int32 (decode); unused in prefill
-    # Prefill only: the packed prompts.
-    query_start_loc: torch.Tensor | None = None  # [num_seqs + 1] int32
-    seq_lens: list[int] | None = None  # host copy of the prompt lengths
+    seq_lens: list[int]  # host prompt lengths, packed back to back from row 0
     # Trailing rows outside every sequence (prefill_inputs.prefill_rows pads the step's rows).
     num_padding: int = 0
-    # Cross-attention. encoder_seq_lens counts the cached vision tokens (last image group) per
-    # sequence; 0 means the sequence has no image. max_encoder_seq_len == 0 skips the cross layers.
-    encoder_seq_lens: list[int] | None = None
-    encoder_seq_lens_tensor: torch.Tensor | None = None  # [num_seqs] int32
+    # Cached vision tokens of the longest last image group; 0 skips the cross layers.
     max_encoder_seq_len: int = 0
-    cross_block_tables: torch.Tensor | None = None  # [num_seqs, max_cross_blocks] int32
-    # Prefill with images: the step's vision tokens are packed ([num_vision_tokens, ...]).
-    cross_kv_ranges: torch.Tensor | None = None  # [num_tokens, 2] int32: [start, end) per query
+    # The step's vision tokens are packed ([num_vision_tokens, ...]); each query sees one range.
+    cross_kv_ranges: torch.Tensor | None = None  # [num_tokens, 2] int32: [start, end)
     cross_range_runs: list[tuple[int, int, int, int]] | None = None  # host (q0, q1, kv0, kv1)
     cross_cache_src: torch.Tensor | None = None  # [num_cached] int64 rows of the packed tokens
     cross_slot_mapping: torch.Tensor | None = None  # [num_cached] int64 cross-cache slots
 
     @property
+    def num_seqs(self) -> int:
+        return len(self.seq_lens)
+
+    @property
     def skip_cross_attention(self) -> bool:
-        """Decided on the host integer alone, so a captured graph never branches on data."""
         return self.max_encoder_seq_len == 0
 
     def cross_row_mask(self) -> torch.Tensor:
-        """[num_tokens, 1] bool: True where a token sees at least one vision token.
+        """[num_tokens, 1] bool: True where a token sees at least one vision token."""
+        assert self.cross_kv_ranges is not None
+        return (self.cross_kv_ranges[:, 1] > self.cross_kv_ranges[:, 0]).unsqueeze(-1)
 
-        Derived on the device (prefill: non-empty range; decode: encoder length > 0), so the
-        same graph serves text-only and image rows.
-        """
-        if self.is_prefill:
-            assert self.cross_kv_ranges is not None
-            return (self.cross_kv_ranges[:, 1] > self.cross_kv_ranges[:, 0]).unsqueeze(-1)
-        assert self.encoder_seq_lens_tensor is not None
-        return (self.encoder_seq_lens_tensor > 0).unsqueeze(-1)
+
+AttentionMetadata = PrefillMetadata | DecodeMetadata

@@ -168,6 +168,10 @@ class EngineArgs:
         sizes = tuple(sorted(set(self.cuda_graph_sizes or ())))
         if any(s < 1 for s in sizes):
             raise ValueError(f"cuda_graph_sizes must be positive, got {list(sizes)}")
+        if sizes and sizes[-1] < sched.max_num_seqs:
+            logger.info("Adding decode graph size %d to cover max_num_seqs",
+                        sched.max_num_seqs)
+            sizes = (*sizes, sched.max_num_seqs)
         return VllmConfig(
             model_config=model_config,
             cache_config=CacheConfig(block_size=self.block_size,

@@ -18,13 +18,16 @@ from vllm.core.scheduler import Scheduler, SchedulerOutput
 from vllm.core.sequence import Request
 from vllm.engine.arg_utils import EngineArgs
 from vllm.engine.output_processor import OutputProcessor
+from vllm.engine.warmup import warm_up
 from vllm.logger import init_logger
 from vllm.multimodal.processing import MllamaInputProcessor
 from vllm.outputs import RequestOutput
 from vllm.sampling_params import SamplingParams
 from vllm.transformers_utils.tokenizer import get_image_processor, get_tokenizer
+from vllm.worker.loaded_model import load_model
 from vllm.worker.memory import determine_num_pages, fit_config_to_pages
-from vllm.worker.model_runner import EncoderJob, ModelRunner, RunnerStats, StepHandle
+from vllm.worker.model_runner import EncoderJob, ModelRunner, RunnerStats
+from vllm.worker.step_results import StepHandle
 
 logger = init_logger(__name__)
 
@@ -51,13 +54,14 @@ class LLMEngine:
         t0 = time.perf_counter()
         mc = config.model_config
         self.tokenizer = get_tokenizer(mc.tokenizer_path)
-        self.runner = ModelRunner(config)
-        t_load = time.perf_counter() - t0
-        num_pages = determine_num_pages(self.runner)
-        config = fit_config_to_pages(config, self.runner.layout, num_pages)
+        # The model first, with the configuration as asked; the memory profile fits the
+        # configuration to the pages that fit, and the runner is built with that one.
+        loaded = load_model(config)
+        num_pages = determine_num_pages(config, loaded)
+        config = fit_config_to_pages(config, loaded.layout, num_pages)
         self.config = config
-        self.runner.config = config
-        self.runner.initialize_cache(num_pages)
+        self.runner = ModelRunner(config, loaded, num_pages)
+        mc = config.model_config
         self.input_processor = MllamaInputProcessor(
             mc.spec, self.tokenizer, get_image_processor(mc.model_path),
             mc.limit_images_per_prompt, config.model_config.max_model_len,
@@ -82,13 +86,12 @@ class LLMEngine:
         self._tokens_since_log = [0, 0]
         self._host_at_log = (0.0, 0)
         logger.info("Engine ready in %.1f s (model load %.1f s): %d KV pages of %d tokens, "
-                    "max_model_len %d, max_num_seqs %d", time.perf_counter() - t0, t_load,
+                    "max_model_len %d, max_num_seqs %d", time.perf_counter() - t0,
+                    loaded.load_seconds,
                     num_pages - 1, lo.block_size, config.model_config.max_model_len,
                     config.scheduler_config.max_num_seqs)
         # None: on CUDA only, where first uses of kernels compile (see vllm/engine/warmup.py).
         if warmup if warmup is not None else self.runner.device.type == "cuda":
-            from vllm.engine.warmup import warm_up
-
             warm_up(self)
 
     @classmethod

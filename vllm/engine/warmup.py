@@ -18,10 +18,14 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from vllm.logger import init_logger
 from vllm.sampling_params import SamplingParams
+from vllm.transformers_utils.config import MllamaSpec
+
+if TYPE_CHECKING:  # the engine imports this module to call warm_up
+    from vllm.engine.llm_engine import LLMEngine
 
 logger = init_logger(__name__)
 
@@ -37,13 +41,13 @@ class WarmupStats:
     prefill_gemms: int = 0  # GEMM calls made at the padded prefill row counts
 
 
-def _sentence(engine: Any) -> list[int]:
+def _sentence(engine: LLMEngine) -> list[int]:
     """Ordinary text token ids to fill the warm-up prompts with."""
     return [t for t in engine.input_processor.tokenize("The quick brown fox jumps over it.")
             if t < engine.config.model_config.spec.text.vocab_size] or [1]
 
 
-def _tile_shapes(spec: Any) -> list[tuple[int, int]]:
+def _tile_shapes(spec: MllamaSpec) -> list[tuple[int, int]]:
     """One (width, height) in tiles for every tile count the processor can produce."""
     shapes: dict[int, tuple[int, int]] = {}
     for w, h in spec.vision.supported_aspect_ratios:
@@ -51,7 +55,7 @@ def _tile_shapes(spec: Any) -> list[tuple[int, int]]:
     return [shapes[n] for n in sorted(shapes, reverse=True)]
 
 
-def _image(spec: Any, tiles: tuple[int, int], seed: int) -> Any:
+def _image(spec: MllamaSpec, tiles: tuple[int, int], seed: int) -> Any:
     import numpy as np
     from PIL import Image
 
@@ -61,7 +65,7 @@ def _image(spec: Any, tiles: tuple[int, int], seed: int) -> Any:
     return Image.fromarray(pixels)
 
 
-def _prompts(engine: Any) -> tuple[list[Any], list[Any]]:
+def _prompts(engine: LLMEngine) -> tuple[list[Any], list[Any]]:
     """(first wave, second wave) of ``(processed inputs, SamplingParams)``. The first wave is
     prefilled while nothing decodes; the second while its long-running request decodes."""
     mc = engine.config.model_config
@@ -111,7 +115,7 @@ def _prompts(engine: Any) -> tuple[list[Any], list[Any]]:
     return first, second
 
 
-def warm_up(engine: Any) -> WarmupStats:
+def warm_up(engine: LLMEngine) -> WarmupStats:
     """Runs the warm-up requests to completion on ``engine`` (which must be idle) and resets
     the runner's counters. Raises RuntimeError if the engine is busy or the loop overruns."""
     if engine.has_unfinished_requests():

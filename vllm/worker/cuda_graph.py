@@ -1,11 +1,12 @@
 """Decode-only CUDA graphs for every batch: a text family and a cross family per bucket.
 
-Buckets are 1, 2, 4, then multiples of 8 up to ``max_num_seqs`` (or ``cuda_graph_sizes``),
-captured largest first into one shared memory pool after warm-up runs. A graph's only
-per-step input is the list of decode rows (padding rows point at the null row, which writes
-nowhere and reads a zero-length KV); everything else is read from the persistent row buffers
-inside the graph. The page tables are captured at their static widths: the cross table covers
-the largest vision group the configuration admits, so no batch ever falls back to eager.
+Buckets are the configuration's ``cuda_graph_sizes`` (1, 2, 4, then multiples of 8 up to
+``max_num_seqs`` by default), captured largest first into one shared memory pool after warm-up
+runs. A graph's only per-step input is the list of decode rows (padding rows point at the null
+row, which writes nowhere and reads a zero-length KV); everything else is read from the
+persistent row buffers inside the graph. The page tables are captured at their static widths:
+the cross table covers the largest vision group the configuration admits, so no batch ever
+falls back to eager.
 
 Family **text** (no sequence in the batch has an image) captures the forward with
 ``max_encoder_seq_len = 0``: the cross layers are not in the graph at all. Family **cross**
@@ -19,67 +20,88 @@ from __future__ import annotations
 
 import bisect
 import time
-from typing import TYPE_CHECKING
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 
 from vllm.logger import init_logger
-from vllm.model_executor.layers.sampling_utils import row_argmax
-
-if TYPE_CHECKING:
-    from vllm.worker.model_runner import ModelRunner
+from vllm.worker.decode_state import DecodeRows
 
 logger = init_logger(__name__)
 TEXT, CROSS = "text", "cross"
 
 
+@dataclass(frozen=True)
+class DecodeShape:
+    """The host integers a decode forward runs (and is captured) with."""
+
+    bucket: int  # index into the linear layers' kernel tables (forward_context.row_bucket)
+    width: int  # page-table columns gathered per row
+    cross_width: int
+    max_seq_len: int
+    max_encoder_seq_len: int  # 0: the text family (no cross layers)
+
+
+# forward(rows [B] int64 device, shape, logits_out [B, V] float32 or None) -> logits [B, V]
+DecodeForward = Callable[[torch.Tensor, DecodeShape, "torch.Tensor | None"], torch.Tensor]
+
+
+class Replay(NamedTuple):
+    """One replayed (or emulated) decode step: views of static buffers, valid until the next
+    run."""
+
+    logits: torch.Tensor  # [n, V] float32
+    rows: torch.Tensor  # [n] the device row index
+    greedy: torch.Tensor  # [n] the logits' row argmax
+    key: tuple[str, int]  # (family, bucket size)
+
+
 class DecodeGraphRunner:
     """Captures and replays the decode forward per (family, bucket)."""
 
-    def __init__(self, runner: ModelRunner) -> None:
-        self.runner = runner
-        cfg = runner.config
-        max_num_seqs = cfg.scheduler_config.max_num_seqs
-        sizes = sorted(set(cfg.compilation_config.cuda_graph_sizes))
-        if not sizes or sizes[-1] < max_num_seqs:
-            logger.info("Adding decode graph size %d to cover max_num_seqs", max_num_seqs)
-            sizes.append(max_num_seqs)
-        self.sizes = sizes
-        assert runner.rows is not None
-        self.null_row = runner.rows.null_row
-        self.device = runner.device
+    def __init__(self, forward: DecodeForward, rows: DecodeRows, sizes: Sequence[int],
+                 width: int, cross_width: int, max_seq_len: int, max_encoder_seq_len: int,
+                 vocab_size: int, argmax: Callable[..., torch.Tensor]) -> None:
+        self._forward = forward
+        self.decode_rows = rows
+        self.sizes = sorted(sizes)
+        self.null_row = rows.null_row
+        self.device = rows.device
+        self._argmax = argmax
         self._uploaded_rows: list[int] | None = None  # what static_rows holds, if known
-        self.static_rows = torch.full((sizes[-1],), self.null_row, dtype=torch.int64,
+        self.static_rows = torch.full((self.sizes[-1],), self.null_row, dtype=torch.int64,
                                       device=self.device)
-        self.width = runner.max_pages_per_seq
-        self.cross_width = runner.max_cross_pages
-        self.max_seq_len = cfg.model_config.max_model_len
-        self.max_encoder_seq_len = cfg.model_config.max_encoder_seq_len
+        self.width, self.cross_width = width, cross_width
+        self.max_seq_len = max_seq_len
+        self.max_encoder_seq_len = max_encoder_seq_len
         self.graphs: dict[tuple[str, int], torch.cuda.CUDAGraph] = {}
         # One logits buffer for every graph (each graph's own output buffer would stay
         # allocated: 38 graphs x [bucket, vocab] fp32 is over 1 GB for the 11B at 128 seqs).
-        vocab = cfg.model_config.spec.text.vocab_size
-        self.static_logits = torch.empty(sizes[-1], vocab, dtype=torch.float32,
+        self.static_logits = torch.empty(self.sizes[-1], vocab_size, dtype=torch.float32,
                                          device=self.device)
         # Each row's argmax, computed inside the graph: greedy batches need nothing more.
-        self.static_greedy = torch.zeros(sizes[-1], dtype=torch.int64, device=self.device)
+        self.static_greedy = torch.zeros(self.sizes[-1], dtype=torch.int64, device=self.device)
         self.capture_time_s = 0.0
         self.graph_memory_bytes = 0
         self._views: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
+
+    def shape(self, bs: int, family: str) -> DecodeShape:
+        """The static shape the (family, ``bs``) graph is captured with."""
+        return DecodeShape(self.sizes.index(bs), self.width, self.cross_width, self.max_seq_len,
+                           self.max_encoder_seq_len if family == CROSS else 0)
 
     def forward(self, bs: int, family: str) -> torch.Tensor:
         """The captured function: decode over ``static_rows[:bs]`` with static scalars,
         logits into the shared static buffer, their row argmax into ``static_greedy``, and
         the rows advanced with it."""
-        enc = self.max_encoder_seq_len if family == CROSS else 0
-        logits = self.runner.decode_forward(self.static_rows[:bs], self.width, self.cross_width,
-                                            self.max_seq_len, enc,
-                                            logits_out=self.static_logits[:bs])
-        row_argmax(logits, out=self.static_greedy[:bs])
+        logits = self._forward(self.static_rows[:bs], self.shape(bs, family),
+                               self.static_logits[:bs])
+        self._argmax(logits, out=self.static_greedy[:bs])
         # Greedy tokens into the rows and positions on: nothing left to launch for a greedy
         # step (the runner rewrites the tokens when it samples others).
-        assert self.runner.rows is not None
-        self.runner.rows.advance_greedy(self.static_rows[:bs], self.static_greedy[:bs])
+        self.decode_rows.advance_greedy(self.static_rows[:bs], self.static_greedy[:bs])
         return logits
 
     @torch.inference_mode()
@@ -128,12 +150,8 @@ class DecodeGraphRunner:
             raise RuntimeError(f"decode batch of {n} exceeds the largest graph ({self.sizes[-1]})")
         return self.sizes[i]
 
-    def run(self, row_ids: list[int],
-            cross: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Pads the rows to their bucket and replays (or emulates) the family's graph.
-
-        Returns the logits [n, V], the device row index [n] and the logits' row argmax [n]
-        (views of static buffers, valid until the next run)."""
+    def run(self, row_ids: list[int], cross: bool) -> Replay:
+        """Pads the rows to their bucket and replays (or emulates) the family's graph."""
         n = len(row_ids)
         bs = self.bucket_for(n)
         family = CROSS if cross else TEXT
@@ -144,9 +162,8 @@ class DecodeGraphRunner:
             self.forward(bs, family)
         else:
             self.graphs[(family, bs)].replay()
-        self.runner.stats.graph_replays[(family, bs)] += 1
         views = self._views.get(n)
         if views is None:  # slicing costs host time every step; the views never change
             views = self._views[n] = (self.static_logits[:n], self.static_rows[:n],
                                       self.static_greedy[:n])
-        return views
+        return Replay(*views, (family, bs))

@@ -33,7 +33,7 @@ class DecodeRows:
     """Device buffers indexed by row; ``max_rows`` real rows plus the null row."""
 
     def __init__(self, max_rows: int, max_pages: int, max_cross_pages: int, block_size: int,
-                 device: torch.device) -> None:
+                 device: torch.device, fused: bool = False) -> None:
         self.max_rows = max_rows
         self.null_row = max_rows
         self.block_size = block_size
@@ -47,6 +47,14 @@ class DecodeRows:
         self.encoder_lens = torch.zeros(n, dtype=torch.int32, device=device)
         self._ones = torch.ones(n, dtype=torch.int64, device=device)
         self.free_rows = list(range(max_rows - 1, -1, -1))
+        # With fused kernels, ``gather`` and ``advance_greedy`` are one Triton launch each
+        # (``row_advance.py``; imported only then: CPU installs have no Triton).
+        self._gather_rows = self._advance_rows = None
+        if fused:
+            from vllm.worker import row_advance
+
+            self._gather_rows = row_advance.gather_rows
+            self._advance_rows = row_advance.advance_rows
 
     def acquire(self) -> int:
         if not self.free_rows:
@@ -87,14 +95,12 @@ class DecodeRows:
 
     def gather(self, rows: torch.Tensor, width: int, cross_width: int) -> DecodeInputs:
         """Inputs of the rows (device index tensor), with page tables cut to the widths.
-        On CUDA one kernel (``row_advance.gather_rows``) does what the torch code below does."""
-        if rows.is_cuda:
-            from vllm.worker.row_advance import gather_rows
-
-            return DecodeInputs(*gather_rows(rows, self.tokens, self.positions,
-                                             self.block_tables, self.encoder_lens,
-                                             self.cross_tables, self.block_size, width,
-                                             cross_width))
+        The fused kernel (``row_advance.gather_rows``) does what the torch code below does."""
+        if self._gather_rows is not None:
+            return DecodeInputs(*self._gather_rows(rows, self.tokens, self.positions,
+                                                   self.block_tables, self.encoder_lens,
+                                                   self.cross_tables, self.block_size, width,
+                                                   cross_width))
         positions = self.positions[rows]
         tables = self.block_tables[rows, :width]
         valid = positions >= 0
@@ -121,10 +127,8 @@ class DecodeRows:
         """``advance`` with each row's greedy token, skipping padding (null) rows: what a
         decode graph does after its argmax, so a greedy step launches nothing more. A step
         that samples other tokens then rewrites them with ``set_tokens``."""
-        if rows.is_cuda:
-            from vllm.worker.row_advance import advance_rows
-
-            advance_rows(rows, greedy, self.tokens, self.positions, self.null_row)
+        if self._advance_rows is not None:
+            self._advance_rows(rows, greedy, self.tokens, self.positions, self.null_row)
             return
         # The same without a data-dependent index (nothing here may read tensor data on the
         # host): padding rows rewrite the null row's own token and add 0 to its position.

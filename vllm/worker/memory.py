@@ -13,10 +13,14 @@ import dataclasses
 import torch
 
 from vllm.config import VllmConfig
+from vllm.forward_context import set_forward_context
 from vllm.logger import init_logger
+from vllm.model_executor.models.mllama import MllamaForConditionalGeneration
 from vllm.multimodal.cross_attention import image_runs, last_group
 from vllm.multimodal.processing import ImageInputs, ProcessedInputs
 from vllm.worker.cache_engine import PageLayout
+from vllm.worker.loaded_model import LoadedModel
+from vllm.worker.prefill_inputs import PrefillItem, build_prefill_batch, step_images
 
 logger = init_logger(__name__)
 GiB = 1 << 30
@@ -29,11 +33,10 @@ def pages_per_seq(config: VllmConfig, layout: PageLayout) -> int:
             + layout.cross_pages_for_tokens(mc.max_encoder_seq_len))
 
 
-def _profile_inputs(runner) -> list[ProcessedInputs]:
+def profile_inputs(cfg: VllmConfig) -> list[ProcessedInputs]:
     """Synthetic prompts filling the step budgets: tokens and images at their maxima, no
     prompt longer than ``max_model_len`` (as in any real step: positions past it would index
     past the RoPE tables)."""
-    cfg = runner.config
     spec = cfg.model_config.spec
     v = spec.vision
     sc = cfg.scheduler_config
@@ -60,33 +63,31 @@ def _profile_inputs(runner) -> list[ProcessedInputs]:
 
 
 @torch.inference_mode()
-def run_profile_prefill(runner) -> torch.Tensor:
+def run_profile_prefill(cfg: VllmConfig, model: MllamaForConditionalGeneration,
+                        layout: PageLayout) -> torch.Tensor:
     """The worst-case prefill step with no caches bound (vision encoding, text forward, the
     sampled rows' logits); returns the logits. Device-agnostic: the CPU suite runs it with the
-    CUDA-only paths forced, under the bounds-checked Triton interpreter."""
-    from vllm.forward_context import set_forward_context
-    from vllm.worker.prefill_inputs import PrefillItem, build_prefill_batch, step_images
-
-    lo = runner.layout
+    fused kernels, under the bounds-checked Triton interpreter."""
+    device = cfg.device_config.device
     items = [PrefillItem(list(p.prompt_token_ids), p, i) for i, p in
-             enumerate(_profile_inputs(runner))]
-    batch = build_prefill_batch(items, lo.block_size, lo.cross_block_size, runner.device,
+             enumerate(profile_inputs(cfg))]
+    batch = build_prefill_batch(items, layout.block_size, layout.cross_block_size, device,
                                 pad_rows=True)
-    images = step_images(items, runner.device)
+    images = step_images(items, device)
     vision = None
     if images is not None:
-        vision = runner.model.encode_images(images.pixel_values, images.aspect_ratio_ids,
-                                            images.num_tiles)
+        vision = model.encode_images(images.pixel_values, images.aspect_ratio_ids,
+                                     images.num_tiles)
     with set_forward_context(batch.metadata):
-        hidden = runner.model(batch.input_ids, batch.positions, vision)
-    return runner.model.compute_logits(hidden[batch.logits_indices])
+        hidden = model(batch.input_ids, batch.positions, vision)
+    return model.compute_logits(hidden[batch.logits_indices])
 
 
-def profile_prefill_peak(runner) -> int:
+def profile_prefill_peak(cfg: VllmConfig, loaded: LoadedModel) -> int:
     """Peak bytes allocated while running the worst-case prefill step (no caches bound)."""
     torch.cuda.synchronize()
     torch.cuda.reset_peak_memory_stats()
-    logits = run_profile_prefill(runner)
+    logits = run_profile_prefill(cfg, loaded.model, loaded.layout)
     torch.cuda.synchronize()
     peak = torch.cuda.max_memory_allocated()
     del logits
@@ -99,8 +100,7 @@ def decode_graph_reserve(config: VllmConfig) -> int:
     the shared fp32 logits buffer, one step's activations (logits twice: bf16 and fp32), the
     decode attention's split-KV workspace, plus slack."""
     t = config.model_config.spec.text
-    bs = max(max(config.compilation_config.cuda_graph_sizes or (1,)),
-             config.scheduler_config.max_num_seqs)
+    bs = max(config.compilation_config.cuda_graph_sizes)
     elem = torch.empty((), dtype=config.model_config.dtype).element_size()
     act = bs * (2 * t.intermediate_size + 6 * t.hidden_size) * elem
     logits = bs * t.vocab_size * (4 + 4 + elem)
@@ -108,20 +108,20 @@ def decode_graph_reserve(config: VllmConfig) -> int:
     return 2 * (act + workspace) + logits + (256 << 20)
 
 
-def determine_num_pages(runner) -> int:
+def determine_num_pages(cfg: VllmConfig, loaded: LoadedModel) -> int:
     """Number of pages in the pool, the null page included."""
-    cfg = runner.config
-    lo = runner.layout
+    lo = loaded.layout
+    device = cfg.device_config.device
     override = cfg.cache_config.num_gpu_blocks_override
     if override is not None:
         return override + 1
-    if runner.device.type != "cuda":
+    if device.type != "cuda":
         full = cfg.scheduler_config.max_num_seqs * pages_per_seq(cfg, lo)
         cap = cfg.cache_config.cpu_kv_cache_space_bytes // lo.page_bytes
         return max(2, min(full, cap) + 1)
-    total = torch.cuda.get_device_properties(runner.device).total_memory
+    total = torch.cuda.get_device_properties(device).total_memory
     weights = torch.cuda.memory_allocated()
-    peak = profile_prefill_peak(runner)
+    peak = profile_prefill_peak(cfg, loaded)
     # Reserved memory after the profile (its cache emptied): weights, buffers and the vision
     # graphs' private pool, which allocated-memory counters do not see.
     resident = torch.cuda.memory_reserved()

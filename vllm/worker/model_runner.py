@@ -2,21 +2,20 @@
 
 Prefill steps run eagerly over packed prompts and all their images at once. Decode steps read
 their inputs from the persistent device rows (``decode_state.py``): the host sends only which
-rows run (and appended pages); sampled tokens and positions are advanced on the device.
+rows run (and appended pages); sampled tokens and positions are advanced on the device. Results
+reach the host through ``step_results.ResultCopier`` without the launch waiting for them.
 """
 
 from __future__ import annotations
 
-import contextlib
+import bisect
 import time
 from collections import Counter
-from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 import torch
 
-from vllm.attention.metadata import AttentionMetadata
-from vllm.attention.selector import get_attn_backend
+from vllm.attention.metadata import DecodeMetadata
 from vllm.config import VllmConfig
 from vllm.core.scheduler import SchedulerOutput
 from vllm.core.sequence import Request, Sequence
@@ -31,12 +30,14 @@ from vllm.model_executor.layers.sampler import (
     compute_prompt_logprobs,
     make_generator,
 )
-from vllm.model_executor.model_loader.loader import get_model
+from vllm.model_executor.layers.sampling_utils import select_row_argmax
 from vllm.model_executor.models.mllama import TextProgress
 from vllm.model_executor.models.mllama_vision import ImagesEncoding
 from vllm.utils import to_device
-from vllm.worker.cache_engine import CacheEngine, PageLayout
-from vllm.worker.decode_state import DecodeInputs, DecodeRows
+from vllm.worker.cache_engine import CacheEngine
+from vllm.worker.cuda_graph import DecodeGraphRunner, DecodeShape
+from vllm.worker.decode_state import DecodeRows
+from vllm.worker.loaded_model import LoadedModel
 from vllm.worker.prefill_inputs import (
     PrefillBatch,
     PrefillItem,
@@ -44,23 +45,12 @@ from vllm.worker.prefill_inputs import (
     prefill_row_buckets,
     step_images,
 )
-
-
-@contextlib.contextmanager
-def decode_gemm_library(device: torch.device) -> Iterator[None]:
-    """Decode GEMMs go through cuBLASLt: at 32-64 rows its heuristics stream the MLP weights
-    3-12% faster than cuBLAS's and skip the split-K reduction kernel of the down projection
-    (benchmarks/kernels/benchmark_gemm.py on the H200). Set around the decode forward only,
-    for eager steps and graph capture alike, so a replay runs the kernels an eager step runs."""
-    if device.type != "cuda":
-        yield
-        return
-    previous = torch.backends.cuda.preferred_blas_library()
-    torch.backends.cuda.preferred_blas_library("cublaslt")
-    try:
-        yield
-    finally:
-        torch.backends.cuda.preferred_blas_library(previous)
+from vllm.worker.step_results import (
+    PromptLogprobsOnDevice,
+    ResultCopier,
+    StepHandle,
+    StepOutput,
+)
 
 logger = init_logger(__name__)
 
@@ -77,28 +67,6 @@ class RunnerStats:
     prefill_steps: int = 0
     host_time_s: float = 0.0  # host time spent launching steps
     steps: int = 0
-
-
-@dataclass
-class StepHandle:
-    """A launched step: device results being copied to pinned host memory."""
-
-    result: StepOutput
-    sampled: torch.Tensor  # host (pinned on CUDA) once the event has fired
-    logprobs: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None
-    event: torch.cuda.Event | None
-
-
-@dataclass
-class StepOutput:
-    """Host results of one step: one entry per sampling sequence, in order."""
-
-    seqs: list[Sequence]
-    token_ids: list[int]
-    logprobs: list[list[float]] | None = None  # [sampled, top-k...]
-    logprob_ids: list[list[int]] | None = None
-    ranks: list[int] | None = None
-    prompt_logprobs: dict[str, tuple[list, list, list]] = field(default_factory=dict)
 
 
 @dataclass(eq=False)
@@ -127,67 +95,43 @@ def _step_invariant(seq: Sequence) -> bool:
             and (not p.min_tokens or seq.num_output_tokens >= p.min_tokens))
 
 
-def decode_metadata(inputs: DecodeInputs, max_seq_len: int,
-                    max_encoder_seq_len: int) -> AttentionMetadata:
-    """Decode-step metadata from gathered rows (host maxima given by the caller)."""
-    n = inputs.input_ids.shape[0]
-    return AttentionMetadata(
-        is_prefill=False, num_seqs=n, num_tokens=n, slot_mapping=inputs.slot_mapping,
-        seq_lens_tensor=inputs.seq_lens, max_seq_len=max_seq_len,
-        block_tables=inputs.block_tables, encoder_seq_lens_tensor=inputs.encoder_seq_lens,
-        max_encoder_seq_len=max_encoder_seq_len, cross_block_tables=inputs.cross_block_tables)
-
-
 class ModelRunner:
-    """Owns the model, its KV pages, the decode rows, the sampler and the decode graphs."""
+    """Owns the model's KV pages, the decode rows, the sampler and the decode graphs.
 
-    def __init__(self, config: VllmConfig) -> None:
+    Built once, with the final configuration (after the memory profile fitted it to
+    ``num_pages``), from a :class:`LoadedModel`.
+    """
+
+    def __init__(self, config: VllmConfig, loaded: LoadedModel, num_pages: int) -> None:
         self.config = config
-        mc = config.model_config
+        mc, sc = config.model_config, config.scheduler_config
         self.device = config.device_config.device
-        self.model = get_model(mc.spec, mc.model_path, mc.load_format, mc.dtype, self.device,
-                               max_position=mc.max_model_len, seed=mc.seed)
-        self.backend = get_attn_backend(self.device)
-        selfs, crosses = self.model.attention_layers()
-        for attn in (*selfs, *crosses):
-            attn.backend = self.backend
-        self.layout = PageLayout.for_model(mc.spec, config.cache_config.block_size, mc.dtype)
-        self.sampler = Sampler()
+        self.model = loaded.model
+        self.layout = loaded.layout
+        self.vision_graphs = loaded.vision_graphs
         self.vocab_size = mc.spec.text.vocab_size
-        self.cache_engine: CacheEngine | None = None
-        self.rows: DecodeRows | None = None
-        self.graphs = None  # DecodeGraphRunner, when not enforce_eager
-        self.vision_graphs = None  # VisionGraphRunner, on CUDA when not enforce_eager
+        fused = loaded.kernels.fused
+        self.sampler = Sampler(select_row_argmax(fused))
+        self.bucket_sizes = tuple(config.compilation_config.cuda_graph_sizes)
+        self.cache_engine = CacheEngine(self.layout, num_pages, self.device)
+        self.cache_engine.bind(self.model)
+        self.max_pages_per_seq = self.layout.pages_for_tokens(mc.max_model_len)
+        self.max_cross_pages = self.layout.cross_pages_for_tokens(mc.max_encoder_seq_len)
+        self.rows = DecodeRows(sc.max_num_seqs, self.max_pages_per_seq, self.max_cross_pages,
+                               self.layout.block_size, self.device, fused=fused)
         self.prefill_job: PrefillJob | None = None  # a prefill spread over decode steps
         self.stats = RunnerStats()
-        ring = config.scheduler_config.max_num_seqs if self.device.type == "cuda" else 0
-        self._sampled_ring = [torch.empty(ring, dtype=torch.int64, pin_memory=ring > 0)
-                              for _ in range(3)]
-        # One event per ring slot, recorded again when the slot is reused (after collect).
-        self._ring_events = ([torch.cuda.Event() for _ in self._sampled_ring]
-                             if ring else [])
-        self._ring_views: dict[tuple[int, int], torch.Tensor] = {}
-        self._stream: torch.cuda.Stream | None = None
-        self._device_index = (self.device.index if self.device.index is not None
-                              else torch.cuda.current_device()) if ring else -1
+        self.results = ResultCopier(self.device, sc.max_num_seqs)
         # The last decode batch's sequences and sampling inputs, while they cannot change
         # from step to step (see _decode_sampling).
         self._steady_sampling: tuple[list[Sequence], SamplingMetadata] | None = None
-        if self.device.type == "cuda" and not mc.enforce_eager:
-            self._capture_vision()
-
-    def _capture_vision(self) -> None:
-        """Before the memory profile, so the graphs' memory is accounted for."""
-        from vllm.worker.vision_graph import VisionGraphRunner
-
-        graphs = VisionGraphRunner(self.model, self.device)
-        try:
-            graphs.capture()
-        except RuntimeError as e:  # e.g. an attention back-end that cannot be captured
-            logger.warning("Vision tower runs eagerly: capture failed (%s)", e)
-            torch.cuda.synchronize()
-            return
-        self.vision_graphs = graphs
+        self.graphs: DecodeGraphRunner | None = None
+        if not mc.enforce_eager:
+            self.graphs = DecodeGraphRunner(
+                self.decode_forward, self.rows, self.bucket_sizes, self.max_pages_per_seq,
+                self.max_cross_pages, mc.max_model_len, mc.max_encoder_seq_len,
+                self.vocab_size, self.sampler.argmax)
+            self.graphs.capture()
 
     def encode_images(self, pixel_values: torch.Tensor, aspect_ratio_ids: torch.Tensor,
                       num_tiles: list[int]) -> torch.Tensor:
@@ -238,26 +182,6 @@ class ModelRunner:
                 m(flat[:r * m.in_features].view(r, m.in_features))
         return len(linears) * len(rows)
 
-    # ------------------------------------------------------------------ set-up
-    @property
-    def max_pages_per_seq(self) -> int:
-        return self.layout.pages_for_tokens(self.config.model_config.max_model_len)
-
-    @property
-    def max_cross_pages(self) -> int:
-        return self.layout.cross_pages_for_tokens(self.config.model_config.max_encoder_seq_len)
-
-    def initialize_cache(self, num_pages: int) -> None:
-        self.cache_engine = CacheEngine(self.layout, num_pages, self.device)
-        self.cache_engine.bind(self.model)
-        self.rows = DecodeRows(self.config.scheduler_config.max_num_seqs, self.max_pages_per_seq,
-                               self.max_cross_pages, self.layout.block_size, self.device)
-        if not self.config.model_config.enforce_eager:
-            from vllm.worker.cuda_graph import DecodeGraphRunner
-
-            self.graphs = DecodeGraphRunner(self)
-            self.graphs.capture()
-
     # ------------------------------------------------------------------ steps
     def execute(self, out: SchedulerOutput) -> StepOutput:
         """Runs a step to completion (launch, then wait for its results)."""
@@ -267,18 +191,22 @@ class ModelRunner:
     def launch(self, out: SchedulerOutput) -> StepHandle:
         """Enqueues a step's device work; results reach the host asynchronously."""
         start = time.perf_counter()
+        prompt_logprobs: dict[str, PromptLogprobsOnDevice] = {}
         if out.is_prefill:
-            result, sampler_out = self._prefill(out)
+            result, sampler_out = self._prefill(out, prompt_logprobs)
         else:
             result, sampler_out = self._decode(out)
-        handle = self._start_copy(result, sampler_out)
+        handle = self.results.start(result, sampler_out, prompt_logprobs)
         self.stats.host_time_s += time.perf_counter() - start
         self.stats.steps += 1
         return handle
 
+    def collect(self, handle: StepHandle) -> StepOutput:
+        """Waits for a launched step and returns its host results."""
+        return self.results.collect(handle)
+
     def release(self, seq: Sequence) -> None:
         if seq.row >= 0:
-            assert self.rows is not None
             self.rows.release(seq.row)
             seq.row = -1
 
@@ -331,7 +259,6 @@ class ModelRunner:
         self.prefill_job = None
 
     def _begin_prefill(self, out: SchedulerOutput) -> PrefillJob:
-        assert self.cache_engine is not None and self.rows is not None
         lo = self.layout
         items = []
         for s in out.prefill_seqs:
@@ -363,8 +290,8 @@ class ModelRunner:
                                                           vision)
         return PrefillJob(out, batch, state)
 
-    def _prefill(self, out: SchedulerOutput) -> tuple[StepOutput, SamplerOutput]:
-        assert self.cache_engine is not None and self.rows is not None
+    def _prefill(self, out: SchedulerOutput, prompt_logprobs: dict[str, PromptLogprobsOnDevice]
+                 ) -> tuple[StepOutput, SamplerOutput]:
         job = self.prefill_job
         if job is None or job.out is not out:
             job = self._begin_prefill(out)
@@ -373,8 +300,7 @@ class ModelRunner:
         with set_forward_context(batch.metadata):
             text.run_layers(job.state, len(text.layers))
             hidden = text.end(job.state)
-        result = StepOutput(seqs=[], token_ids=[])
-        self._prompt_logprobs(out, batch, hidden, result)
+        self._prompt_logprobs(out, batch, hidden, prompt_logprobs)
         logits = self.model.compute_logits(hidden[batch.logits_indices])
         expand = [i for i, group in enumerate(out.samplers) for _ in group]
         sample_seqs = [s for group in out.samplers for s in group]
@@ -391,31 +317,28 @@ class ModelRunner:
         self.rows.set_tokens(to_device(rows, torch.int64, self.device),
                              sampler_out.sampled_token_ids)
         self.stats.prefill_steps += 1
-        result.seqs = sample_seqs
-        return result, sampler_out
+        return StepOutput(seqs=sample_seqs, token_ids=[]), sampler_out
 
-    def _prompt_logprobs(self, out: SchedulerOutput, batch, hidden: torch.Tensor,
-                         result: StepOutput) -> None:
+    def _prompt_logprobs(self, out: SchedulerOutput, batch: PrefillBatch, hidden: torch.Tensor,
+                         into: dict[str, PromptLogprobsOnDevice]) -> None:
+        """Prompt logprobs of the requests that asked for them, left on the device (the
+        result copier brings them to the host with the step's other results)."""
         start = 0
-        for s, n in zip(out.prefill_seqs, batch.metadata.seq_lens or [], strict=True):
+        for s, n in zip(out.prefill_seqs, batch.metadata.seq_lens, strict=True):
             req = s.request
             k = req.params.prompt_logprobs
             if k is not None and req.prompt_logprobs is None and n > 1:
                 logits = self.model.compute_logits(hidden[start:start + n - 1])
-                # Image tokens (id >= vocab) cannot be sampled: no logprob at their positions
-                # (rank 0 marks them).
+                # Image tokens (id >= vocab) cannot be sampled: no logprob at their positions.
                 raw = s.token_ids[1:n]
                 targets = to_device([t if t < self.vocab_size else 0 for t in raw],
                                     torch.int64, self.device)
                 vals, ids, ranks = compute_prompt_logprobs(logits, targets, k)
-                ranks_l = [0 if t >= self.vocab_size else r
-                           for t, r in zip(raw, ranks.cpu().tolist(), strict=True)]
-                result.prompt_logprobs[req.request_id] = (
-                    vals.cpu().tolist(), ids.cpu().tolist(), ranks_l)
+                into[req.request_id] = PromptLogprobsOnDevice(
+                    vals, ids, ranks, [t >= self.vocab_size for t in raw])
             start += n
 
     def _decode(self, out: SchedulerOutput) -> tuple[StepOutput, SamplerOutput]:
-        assert self.rows is not None
         seqs = out.decode_seqs
         self.rows.set_pages([(s.row, len(s.block_table) - 1, p) for s, p in out.new_pages])
         max_enc = max(s.request.inputs.encoder_seq_len for s in seqs)
@@ -425,7 +348,9 @@ class ModelRunner:
         sampling = self._decode_sampling(seqs)
         greedy = None
         if self.graphs is not None:
-            logits, rows_t, greedy = self.graphs.run(row_ids, cross=max_enc > 0)
+            replay = self.graphs.run(row_ids, cross=max_enc > 0)
+            logits, rows_t, greedy = replay.logits, replay.rows, replay.greedy
+            self.stats.graph_replays[replay.key] += 1
         else:
             rows_t = to_device(row_ids, torch.int64, self.device)
             logits = self._eager_decode(seqs, rows_t, max_enc)
@@ -440,78 +365,23 @@ class ModelRunner:
 
     def _eager_decode(self, seqs: list[Sequence], rows_t: torch.Tensor,
                       max_enc: int) -> torch.Tensor:
-        assert self.rows is not None
         width = max(len(s.block_table) for s in seqs)
         cross_width = max(max(len(s.request.cross_block_table) for s in seqs), 1)
-        return self.decode_forward(rows_t, width, cross_width, max(len(s) for s in seqs),
-                                   max_enc)
+        bucket = bisect.bisect_left(self.bucket_sizes, len(seqs))
+        shape = DecodeShape(bucket, width, cross_width, max(len(s) for s in seqs), max_enc)
+        return self.decode_forward(rows_t, shape)
 
-    def decode_forward(self, rows: torch.Tensor, width: int, cross_width: int,
-                       max_seq_len: int, max_encoder_seq_len: int,
+    def decode_forward(self, rows: torch.Tensor, shape: DecodeShape,
                        logits_out: torch.Tensor | None = None) -> torch.Tensor:
         """The decode forward on a row index tensor: gather inputs, run, logits [B, V]
-        (float32, into ``logits_out`` when given).
-
-        This is exactly what a decode graph captures (with static widths and maxima)."""
-        assert self.rows is not None
-        with decode_gemm_library(self.device):
-            inputs = self.rows.gather(rows, width, cross_width)
-            md = decode_metadata(inputs, max_seq_len, max_encoder_seq_len)
-            with set_forward_context(md):
-                hidden = self.model(inputs.input_ids, inputs.positions, None)
+        (float32, into ``logits_out`` when given). Exactly what a decode graph captures (with
+        its static shape); the linear layers run the kernels of ``shape.bucket``."""
+        inputs = self.rows.gather(rows, shape.width, shape.cross_width)
+        md = DecodeMetadata(
+            slot_mapping=inputs.slot_mapping, seq_lens_tensor=inputs.seq_lens,
+            block_tables=inputs.block_tables, encoder_seq_lens_tensor=inputs.encoder_seq_lens,
+            cross_block_tables=inputs.cross_block_tables, max_seq_len=shape.max_seq_len,
+            max_encoder_seq_len=shape.max_encoder_seq_len)
+        with set_forward_context(md, row_bucket=shape.bucket):
+            hidden = self.model(inputs.input_ids, inputs.positions, None)
             return self.model.compute_logits(hidden, out=logits_out)
-
-    # ------------------------------------------------------------------ results
-    def _start_copy(self, result: StepOutput, out: SamplerOutput) -> StepHandle:
-        n = len(result.seqs)
-        pin = self.device.type == "cuda"
-
-        def to_host(t: torch.Tensor) -> torch.Tensor:
-            buf = torch.empty(t[:n].shape, dtype=t.dtype, pin_memory=pin)
-            return buf.copy_(t[:n], non_blocking=True)
-
-        ids = out.sampled_token_ids
-        if ids.shape[0] != n:
-            ids = ids[:n]
-        event = None
-        if pin and n <= self._sampled_ring[0].shape[0]:
-            # Sampled ids go to a ring of pinned buffers and events (nothing allocated per
-            # step): a slot is reused three launches later, after its step has been collected.
-            slot = self.stats.steps % len(self._sampled_ring)
-            buf = self._ring_views.get((slot, n))
-            if buf is None:
-                buf = self._ring_views[(slot, n)] = self._sampled_ring[slot][:n]
-            sampled = buf.copy_(ids, non_blocking=True)
-            event = self._ring_events[slot]
-        else:
-            sampled = to_host(ids)
-        logprobs = None
-        if out.logprobs is not None:
-            assert out.logprob_token_ids is not None and out.sampled_ranks is not None
-            logprobs = (to_host(out.logprobs), to_host(out.logprob_token_ids),
-                        to_host(out.sampled_ranks))
-        if pin:
-            event = event or torch.cuda.Event()
-            event.record(self._current_stream())
-        return StepHandle(result, sampled, logprobs, event)
-
-    def _current_stream(self) -> torch.cuda.Stream:
-        """``torch.cuda.current_stream()``, cached while the raw stream stays the same (the
-        public call builds a new Python object each time: host time on every step)."""
-        index = self._device_index
-        raw = torch._C._cuda_getCurrentRawStream(index)
-        if self._stream is None or self._stream.cuda_stream != raw:
-            self._stream = torch.cuda.current_stream(index)
-        return self._stream
-
-    def collect(self, handle: StepHandle) -> StepOutput:
-        """Waits for a launched step and returns its host results."""
-        if handle.event is not None:
-            handle.event.synchronize()
-        result = handle.result
-        result.token_ids = handle.sampled.tolist()
-        if handle.logprobs is not None:
-            vals, ids, ranks = handle.logprobs
-            result.logprobs, result.logprob_ids = vals.tolist(), ids.tolist()
-            result.ranks = ranks.tolist()
-        return result

@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from vllm.attention.metadata import AttentionMetadata
+from vllm.attention.metadata import PrefillMetadata
 from vllm.multimodal.cross_attention import ImageRun
 from vllm.multimodal.processing import ProcessedInputs
 from vllm.utils import to_device
@@ -66,7 +66,7 @@ class PrefillItem:
 class PrefillBatch:
     input_ids: torch.Tensor  # [T] int64
     positions: torch.Tensor  # [T] int64
-    metadata: AttentionMetadata
+    metadata: PrefillMetadata
     logits_indices: torch.Tensor  # [num_seqs] int64: each sequence's last token
     # When some images were encoded ahead: per image group in vision order, its encoded tokens
     # or None (take the next rows of this step's fresh encoding), with its token count.
@@ -159,19 +159,10 @@ class _Upload:
                 for x, (_, dtype, shape) in zip(pieces, self._parts, strict=True)]
 
 
-def _pad_tables(tables: list[list[int]], width: int) -> torch.Tensor:
-    out = torch.zeros(len(tables), max(width, 1), dtype=torch.int32)
-    for i, t in enumerate(tables):
-        if t:
-            out[i, :len(t)] = torch.tensor(t, dtype=torch.int32)
-    return out
-
-
 def build_prefill_batch(items: list[PrefillItem], block_size: int, cross_block_size: int,
                         device: torch.device, pad_rows: bool = False) -> PrefillBatch:
     """The step's device inputs; ``pad_rows`` appends padding rows up to ``prefill_rows``
-    (``metadata.num_tokens`` and ``num_padding`` count them; ``seq_lens`` and
-    ``query_start_loc`` do not)."""
+    (``metadata.num_tokens`` and ``num_padding`` count them; ``seq_lens`` does not)."""
     ids: list[int] = []
     positions: list[int] = []
     slots: list[torch.Tensor] = []
@@ -232,31 +223,18 @@ def build_prefill_batch(items: list[PrefillItem], block_size: int, cross_block_s
 
     up = _Upload()
     h_ids, h_pos, h_slots = up.add(ids), up.add(positions), up.add(torch.cat(slots))
-    h_lens, h_starts = up.add(seq_lens, torch.int32), up.add(starts, torch.int32)
-    h_enc = up.add(enc_lens, torch.int32)
-    width = max(len(i.cross_block_table) for i in items)
-    h_tables = up.add(_pad_tables([i.cross_block_table for i in items], width), torch.int32)
     h_ranges = up.add(torch.tensor(ranges, dtype=torch.int64).view(-1, 2), torch.int32)
     h_src = up.add(torch.cat(cross_src)) if cross_src else None
     h_cslots = up.add(torch.cat(cross_slots)) if cross_slots else None
     h_last = up.add([s - 1 for s in starts[1:]])
     dev = up.to(device)
 
-    md = AttentionMetadata(
-        is_prefill=True,
-        num_seqs=len(items),
+    md = PrefillMetadata(
         num_tokens=len(ids),
         slot_mapping=dev[h_slots],
-        seq_lens_tensor=dev[h_lens],
-        max_seq_len=max(seq_lens),
-        block_tables=torch.zeros(len(items), 1, dtype=torch.int32, device=device),  # unused
-        query_start_loc=dev[h_starts],
         seq_lens=seq_lens,
         num_padding=pad,
-        encoder_seq_lens=enc_lens,
-        encoder_seq_lens_tensor=dev[h_enc],
         max_encoder_seq_len=max(enc_lens),
-        cross_block_tables=dev[h_tables],
         cross_kv_ranges=dev[h_ranges],
         cross_range_runs=runs,
         cross_cache_src=dev[h_src] if h_src is not None else None,

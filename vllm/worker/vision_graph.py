@@ -79,3 +79,17 @@ class VisionGraphRunner:
     def _replay(self, num_tiles: int) -> torch.Tensor:
         self.graphs[num_tiles].replay()
         return self.outputs[num_tiles].clone()  # the next replay reuses the buffer
+
+
+def capture_vision_graphs(model: MllamaForConditionalGeneration,
+                          device: torch.device) -> VisionGraphRunner | None:
+    """The vision graphs, captured (before the memory profile, so their memory is accounted
+    for); None where capture fails (the tower then runs eagerly)."""
+    graphs = VisionGraphRunner(model, device)
+    try:
+        graphs.capture()
+    except RuntimeError as e:  # e.g. an attention back-end that cannot be captured
+        logger.warning("Vision tower runs eagerly: capture failed (%s)", e)
+        torch.cuda.synchronize()
+        return None
+    return graphs

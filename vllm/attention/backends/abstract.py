@@ -6,7 +6,7 @@ from typing import Protocol
 
 import torch
 
-from vllm.attention.metadata import AttentionMetadata
+from vllm.attention.metadata import DecodeMetadata, PrefillMetadata
 
 
 class AttentionBackend(Protocol):
@@ -28,22 +28,22 @@ class AttentionBackend(Protocol):
 
     def prefill_self(
         self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-        md: AttentionMetadata, scale: float,
+        md: PrefillMetadata, scale: float,
     ) -> torch.Tensor: ...
 
     def decode_self(
         self, query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
-        md: AttentionMetadata, scale: float,
+        md: DecodeMetadata, scale: float,
     ) -> torch.Tensor: ...
 
     def prefill_cross(
         self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-        md: AttentionMetadata, scale: float,
+        md: PrefillMetadata, scale: float,
     ) -> torch.Tensor: ...
 
     def decode_cross(
         self, query: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor,
-        md: AttentionMetadata, scale: float,
+        md: DecodeMetadata, scale: float,
     ) -> torch.Tensor: ...
 
 

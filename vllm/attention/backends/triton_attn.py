@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from vllm.attention.metadata import AttentionMetadata
+from vllm.attention.metadata import DecodeMetadata, PrefillMetadata
 from vllm.attention.ops import sdpa
 from vllm.attention.ops.triton_decode import DecodeConfig, paged_decode_attention
 from vllm.attention.ops.triton_kv_write import rope_and_write_kv_cache, write_kv_cache
@@ -72,7 +72,7 @@ class TritonBackend:
         query: torch.Tensor,
         key: torch.Tensor,
         value: torch.Tensor,
-        md: AttentionMetadata,
+        md: PrefillMetadata,
         scale: float,
     ) -> torch.Tensor:
         # query: [T, Hq, D], key/value: [T, Hkv, D] -> [T, Hq, D]. SDPA (cuDNN on Hopper)
@@ -85,7 +85,7 @@ class TritonBackend:
         query: torch.Tensor,
         key_cache: torch.Tensor,
         value_cache: torch.Tensor,
-        md: AttentionMetadata,
+        md: DecodeMetadata,
         scale: float,
     ) -> torch.Tensor:
         # query: [B, Hq, D] -> [B, Hq, D]
@@ -104,7 +104,7 @@ class TritonBackend:
         query: torch.Tensor,
         key: torch.Tensor,
         value: torch.Tensor,
-        md: AttentionMetadata,
+        md: PrefillMetadata,
         scale: float,
     ) -> torch.Tensor:
         # query: [T, Hq, D], key/value: [S, Hkv, D] packed vision tokens -> [T, Hq, D]
@@ -132,7 +132,7 @@ class TritonBackend:
         query: torch.Tensor,
         key_cache: torch.Tensor,
         value_cache: torch.Tensor,
-        md: AttentionMetadata,
+        md: DecodeMetadata,
         scale: float,
     ) -> torch.Tensor:
         # query: [B, Hq, D] -> [B, Hq, D]; rows with encoder length 0 give zeros

@@ -64,13 +64,13 @@ def vision_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, num_vali
     return out.transpose(1, 2).reshape(g, length, -1)
 
 
-def padding_rows_ranges(num_tokens: int, num_valid: int,
-                        device: torch.device) -> torch.Tensor | None:
+def padding_rows_ranges(num_tokens: int, num_valid: int, device: torch.device,
+                        split: bool = True) -> torch.Tensor | None:
     """The key range of every padding row for the split kernel ([P, 2] int32, all
-    ``[0, num_valid)``), or None where SDPA does them (not CUDA, no padding, or too many
-    rows). Built with device kernels only, so it can be captured in a graph."""
+    ``[0, num_valid)``), or None where SDPA does them (``split`` off: no Triton kernels; no
+    padding; or too many rows). Built with device kernels only, so it can be captured."""
     num_pad = num_tokens - num_valid
-    if device.type != "cuda" or not 0 < num_pad <= MAX_SPLIT_PADDING_ROWS:
+    if not split or not 0 < num_pad <= MAX_SPLIT_PADDING_ROWS:
         return None
     ranges = torch.zeros(num_pad, 2, dtype=torch.int32, device=device)
     ranges[:, 1] = num_valid

@@ -1,17 +1,34 @@
-"""Linear layers whose parameters know how to load checkpoint tensors (fused or not).
+"""Linear layers: a storage format that owns the parameters, and a kernel table chosen at load.
 
-Fused layers hold several checkpoint matrices stacked along the output dimension (q|k|v,
-gate|up); ``weight_loader(param, tensor, shard_id)`` copies one checkpoint tensor into its
-rows, so loading streams tensor by tensor with no second copy of the layer.
+A :class:`LinearFormat` decides how a layer's weight is stored (today: unquantized, in the
+model dtype; quantized formats plug in here), registers the parameters with their checkpoint
+loaders, and builds the layer's kernel table for a :class:`KernelTarget`: one kernel per decode
+row bucket, then one for any row count (see ``kernel_target.py``). ``Linear.forward`` only
+indexes that table with the step's bucket.
+
+Fused layers (:class:`MergedLinear`) hold several checkpoint matrices stacked along the output
+dimension (q|k|v, gate|up): one matrix, one launch. ``weight_loader(param, tensor, shard_id)``
+copies one checkpoint tensor into its rows, so loading streams tensor by tensor with no second
+copy of the layer.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Sequence
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from vllm.forward_context import row_bucket
+from vllm.model_executor.layers.kernel_target import KernelTarget
+
+# kernel(x [M, K], out [M, N] or None) -> y [M, N]; ``out`` may be float32 and then receives the
+# result rounded to x's dtype, as ``linear(x).float()`` would give.
+LinearKernel = Callable[[torch.Tensor, torch.Tensor | None], torch.Tensor]
+# kernel(x [M, K]) -> silu(x @ gate^T) * (x @ up^T) for a gate|up layer.
+SiluKernel = Callable[[torch.Tensor], torch.Tensor]
 
 
 class WeightShapeError(ValueError):
@@ -27,30 +44,150 @@ def default_weight_loader(param: torch.Tensor, loaded: torch.Tensor,
         param.copy_(loaded)
 
 
-class Linear(nn.Module):
-    """``y = x W^T (+ b)`` with a loadable weight."""
+class LinearFormat(ABC):
+    """How a linear layer stores its weight and which kernels apply it."""
 
-    def __init__(self, in_features: int, out_features: int, bias: bool = False) -> None:
+    name: str
+
+    @abstractmethod
+    def create_weights(self, layer: Linear) -> None:
+        """Registers the layer's parameters (with their ``weight_loader``s) on ``layer``."""
+
+    @abstractmethod
+    def build_kernels(self, layer: Linear, target: KernelTarget) -> list[LinearKernel]:
+        """One kernel per ``target.row_buckets`` entry, then one for any row count."""
+
+    def build_silu_kernels(self, layer: Linear,
+                           target: KernelTarget) -> list[SiluKernel | None]:
+        """For a gate|up layer: a kernel with the SiLU-and-multiply in its epilogue per row
+        bucket (None where the GEMM and a separate activation are used); same indexing."""
+        return [None] * (len(target.row_buckets) + 1)
+
+
+def _torch_linear(layer: Linear) -> LinearKernel:
+    def run(x: torch.Tensor, out: torch.Tensor | None) -> torch.Tensor:
+        y = F.linear(x, layer.weight, layer.bias)
+        return y if out is None else out.copy_(y)
+
+    return run
+
+
+def _cublaslt_linear(layer: Linear) -> LinearKernel:
+    """``F.linear`` through cuBLASLt: at decode row counts (up to 64 measured) its heuristics
+    stream the MLP weights 3-12% faster than cuBLAS's and skip the down projection's split-K
+    reduction kernel (H200, see benchmarks/RESULTS.md). The library choice is process-wide in
+    torch, so it is set around the call and restored."""
+    def run(x: torch.Tensor, out: torch.Tensor | None) -> torch.Tensor:
+        previous = torch.backends.cuda.preferred_blas_library()
+        torch.backends.cuda.preferred_blas_library("cublaslt")
+        try:
+            y = F.linear(x, layer.weight, layer.bias)
+        finally:
+            torch.backends.cuda.preferred_blas_library(previous)
+        return y if out is None else out.copy_(y)
+
+    return run
+
+
+class UnquantizedFormat(LinearFormat):
+    """The weight as one [out, in] matrix in the model dtype (and an optional bias)."""
+
+    name = "unquantized"
+
+    def create_weights(self, layer: Linear) -> None:
+        layer.weight = nn.Parameter(torch.empty(layer.out_features, layer.in_features),
+                                    requires_grad=False)
+        layer.bias = (nn.Parameter(torch.empty(layer.out_features), requires_grad=False)
+                      if layer.has_bias else None)
+        if layer.shards:
+            layer.weight.weight_loader = layer.load_shard  # type: ignore[attr-defined]
+
+    def build_kernels(self, layer: Linear, target: KernelTarget) -> list[LinearKernel]:
+        plain = _torch_linear(layer)
+        if not target.fused:
+            return [plain] * (len(target.row_buckets) + 1)
+        from vllm.model_executor.layers import skinny_gemm as sg  # Triton: fused targets only
+
+        n, k = layer.weight.shape
+        decode_default = _cublaslt_linear(layer) if target.cuda else plain
+        table: list[LinearKernel] = []
+        for rows in target.row_buckets:
+            cfg = None if layer.bias is not None else sg.tuned_config(rows, n, k,
+                                                                      layer.weight.dtype)
+            table.append(decode_default if cfg is None else sg.linear_kernel(layer, cfg))
+        return [*table, plain]
+
+    def build_silu_kernels(self, layer: Linear,
+                           target: KernelTarget) -> list[SiluKernel | None]:
+        table: list[SiluKernel | None] = [None] * (len(target.row_buckets) + 1)
+        if not target.fused or layer.bias is not None:
+            return table
+        from vllm.model_executor.layers import skinny_gemm as sg
+
+        n, k = layer.weight.shape
+        for i, rows in enumerate(target.row_buckets):
+            cfg = sg.tuned_silu_config(rows, n, k, layer.weight.dtype)
+            if cfg is not None:
+                table[i] = sg.silu_kernel(layer, cfg)
+        return table
+
+
+class Linear(nn.Module):
+    """``y = x W^T (+ b)`` with a loadable weight in the layer's storage format.
+
+    ``shards`` (name, rows) stacks several checkpoint matrices along the output dimension.
+    """
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = False,
+                 fmt: LinearFormat | None = None,
+                 shards: Sequence[tuple[str, int]] = ()) -> None:
         super().__init__()
         self.in_features = in_features
         self.out_features = out_features
-        self.weight = nn.Parameter(torch.empty(out_features, in_features), requires_grad=False)
-        self.bias = (nn.Parameter(torch.empty(out_features), requires_grad=False)
-                     if bias else None)
+        self.has_bias = bias
+        offsets, start = {}, 0
+        for name, size in shards:
+            offsets[name] = (start, size)
+            start += size
+        if shards and start != out_features:
+            raise ValueError(f"shards {list(shards)} do not add up to {out_features} rows")
+        self.shards: dict[str, tuple[int, int]] = offsets
+        self.fmt = fmt or UnquantizedFormat()
+        self.weight: nn.Parameter
+        self.bias: nn.Parameter | None
+        self.fmt.create_weights(self)
+        # Torch kernels until ``select_kernels`` runs (one entry serves every bucket index).
+        self._kernels: list[LinearKernel] = [_torch_linear(self)]
+        self._silu_kernels: list[SiluKernel | None] = [None]
+
+    def select_kernels(self, target: KernelTarget) -> None:
+        self._kernels = self.fmt.build_kernels(self, target)
+        self._silu_kernels = (self.fmt.build_silu_kernels(self, target)
+                              if set(self.shards) == {"gate", "up"} else
+                              [None] * len(self._kernels))
 
     def forward(self, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         """x [..., in] -> [..., out]; ``out`` (optional, may be float32) receives the result
         rounded to x's dtype, as ``linear(x).float()`` would."""
-        if self.bias is None and x.is_cuda:
-            from vllm.model_executor.layers.skinny_gemm import skinny_gemm, tuned_config
+        kernels = self._kernels
+        return kernels[row_bucket() if len(kernels) > 1 else 0](x, out)
 
-            cfg = tuned_config(x, self.weight)
-            if cfg is not None:  # decode-sized shapes where the Triton GEMM is faster
-                return skinny_gemm(x, self.weight, cfg, out=out)
-        y = F.linear(x, self.weight, self.bias)
-        if out is None:
-            return y
-        return out.copy_(y)
+    def silu_kernel(self) -> SiluKernel | None:
+        """The step's fused gate|up + SiLU-and-multiply kernel, or None (then apply the layer
+        and the activation separately)."""
+        kernels = self._silu_kernels
+        return kernels[row_bucket() if len(kernels) > 1 else 0]
+
+    def load_shard(self, param: torch.Tensor, loaded: torch.Tensor, shard_id: object) -> None:
+        """Copies one checkpoint matrix into its rows of the stacked weight."""
+        if shard_id not in self.shards:
+            raise WeightShapeError(f"unknown shard {shard_id!r}")
+        start, size = self.shards[shard_id]  # type: ignore[index]
+        expected = (size, self.in_features)
+        if tuple(loaded.shape) != expected:
+            raise WeightShapeError(f"expected shape {expected}, got {tuple(loaded.shape)}")
+        with torch.no_grad():
+            param[start:start + size].copy_(loaded)
 
 
 class MergedLinear(Linear):
@@ -60,25 +197,12 @@ class MergedLinear(Linear):
     ``sum(sizes[:i]) : sum(sizes[:i+1])``.
     """
 
-    def __init__(self, in_features: int, sizes: Sequence[int], shard_names: Sequence[str]) -> None:
-        super().__init__(in_features, sum(sizes), bias=False)
+    def __init__(self, in_features: int, sizes: Sequence[int], shard_names: Sequence[str],
+                 fmt: LinearFormat | None = None) -> None:
         assert len(sizes) == len(shard_names)
+        super().__init__(in_features, sum(sizes), bias=False, fmt=fmt,
+                         shards=list(zip(shard_names, sizes, strict=True)))
         self.sizes = tuple(sizes)
-        offsets = [0]
-        for s in sizes:
-            offsets.append(offsets[-1] + s)
-        self.shards = {name: (offsets[i], sizes[i]) for i, name in enumerate(shard_names)}
-        self.weight.weight_loader = self._load_shard  # type: ignore[attr-defined]
-
-    def _load_shard(self, param: torch.Tensor, loaded: torch.Tensor, shard_id: object) -> None:
-        if shard_id not in self.shards:
-            raise WeightShapeError(f"unknown shard {shard_id!r}")
-        start, size = self.shards[shard_id]  # type: ignore[index]
-        expected = (size, self.in_features)
-        if tuple(loaded.shape) != expected:
-            raise WeightShapeError(f"expected shape {expected}, got {tuple(loaded.shape)}")
-        with torch.no_grad():
-            param[start:start + size].copy_(loaded)
 
     def split(self, y: torch.Tensor) -> tuple[torch.Tensor, ...]:
         return torch.split(y, self.sizes, dim=-1)

@@ -1,16 +1,19 @@
 """Rotary position embeddings with Llama 3 frequency scaling.
 
 cos/sin are precomputed in float32 for every position up to ``max_position`` and cast to the
-activation dtype when applied, which reproduces the reference's numerics exactly.
+activation dtype when applied, which reproduces the reference's numerics exactly. With fused
+kernels the rotation is one Triton launch (or part of the KV-cache write, ``attention/layer.py``).
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 import torch
 from torch import nn
 
+from vllm.model_executor.layers.kernel_target import KernelTarget
 from vllm.transformers_utils.config import RopeSpec
 
 
@@ -49,14 +52,20 @@ class RotaryEmbedding(nn.Module):
         emb = torch.cat((freqs, freqs), dim=-1)
         self.register_buffer("cos_cache", emb.cos(), persistent=False)
         self.register_buffer("sin_cache", emb.sin(), persistent=False)
+        self._inplace: Callable[..., None] | None = None  # fused_kernels.rotary_inplace
+
+    def select_kernels(self, target: KernelTarget) -> None:
+        self._inplace = None
+        if target.fused:
+            from vllm.model_executor.layers.fused_kernels import rotary_inplace
+
+            self._inplace = rotary_inplace
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor,
                 k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         # positions: [T]; q: [T, Hq * D]; k: [T, Hkv * D]
-        if q.is_cuda:
-            from vllm.model_executor.layers.fused_kernels import rotary_inplace
-
-            rotary_inplace(positions, q, k, self.cos_cache, self.sin_cache, self.head_dim)
+        if self._inplace is not None:  # one launch, q and k rotated in place
+            self._inplace(positions, q, k, self.cos_cache, self.sin_cache, self.head_dim)
             return q, k
         t = positions.shape[0]
         cos = self.cos_cache[positions].to(q.dtype).unsqueeze(1)

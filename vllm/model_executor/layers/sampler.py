@@ -16,7 +16,7 @@ edits they are the raw ``log_softmax`` of the model's logits.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -195,7 +195,13 @@ class SamplerOutput:
 
 
 class Sampler(nn.Module):
-    """Turns a step's logits into tokens (see the module docstring for the exact semantics)."""
+    """Turns a step's logits into tokens (see the module docstring for the exact semantics).
+
+    ``argmax``: the row argmax (``sampling_utils.select_row_argmax``); torch's by default."""
+
+    def __init__(self, argmax: Callable[..., torch.Tensor] = ops.row_argmax) -> None:
+        super().__init__()
+        self.argmax = argmax
 
     def forward(self, logits: torch.Tensor, metadata: SamplingMetadata,
                 greedy_ids: torch.Tensor | None = None) -> SamplerOutput:
@@ -211,7 +217,7 @@ class Sampler(nn.Module):
         if metadata.all_random:
             greedy_ids = None
         elif greedy_ids is None or metadata.any_logit_edits:
-            greedy_ids = ops.row_argmax(logits)
+            greedy_ids = self.argmax(logits)
         logprobs = None
         if metadata.max_num_logprobs is not None:
             logprobs = logits.log_softmax(dim=-1)

@@ -9,7 +9,7 @@ functions to call at all.
 from __future__ import annotations
 
 import itertools
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import numpy as np
 import torch
@@ -165,12 +165,18 @@ def gather_logprobs(
 
 
 def row_argmax(logits: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
-    """``argmax`` over the last dim of a 2-D tensor (optionally into ``out``): the one-kernel
-    Triton reduction on CUDA, ``torch.argmax`` elsewhere; the same answer either way."""
-    if logits.is_cuda and logits.stride(-1) == 1:
-        from vllm.model_executor.layers.triton_argmax import argmax_rows
-
-        return argmax_rows(logits, out=out)
+    """``argmax`` over the last dim of a 2-D tensor (optionally into ``out``) in torch;
+    ``triton_argmax.argmax_rows`` gives the same answer in fewer launches."""
     if out is None:
         return logits.argmax(dim=-1)
     return torch.argmax(logits, dim=-1, out=out)
+
+
+def select_row_argmax(fused: bool) -> Callable[..., torch.Tensor]:
+    """The row argmax to use: the Triton reduction with fused kernels, else torch's (chosen
+    once, when the runner is built)."""
+    if not fused:
+        return row_argmax
+    from vllm.model_executor.layers.triton_argmax import argmax_rows
+
+    return argmax_rows

@@ -10,13 +10,16 @@ so a weight tile read for the first block of rows is served from L2 for the next
 fp32 accumulation order differs from cuBLAS's, so results agree to rounding, not bitwise.
 
 The kernel is used only for the shapes where it measured faster (``_TUNED``); the config
-depends on (M bucket, N, K) only, so eager and graph replay at the same bucket run the
-same kernel (DESIGN.md's equality contract).
+depends on (M bucket, N, K) only and is chosen when the model is loaded (a linear layer's
+kernel table, ``linear.py``), so eager and graph replay at the same bucket run the same kernel
+(the equality contract of docs/architecture.md).
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import triton
@@ -115,16 +118,29 @@ def row_bucket(m: int) -> int:
     return 16 if m <= 16 else (32 if m <= 32 else (64 if m <= 64 else 0))
 
 
-def _eligible(x: torch.Tensor, weight: torch.Tensor) -> bool:
-    return (x.is_cuda and x.dim() == 2 and x.dtype in (torch.bfloat16, torch.float16)
-            and weight.dtype == x.dtype and x.stride(1) == 1 and weight.stride(1) == 1)
+_HALF = (torch.bfloat16, torch.float16)
 
 
-def tuned_config(x: torch.Tensor, weight: torch.Tensor) -> GemmConfig | None:
-    """The config for ``x @ weight^T`` on CUDA, or None where cuBLAS is faster."""
-    if not _eligible(x, weight):
-        return None
-    return _TUNED.get((row_bucket(x.shape[0]), *weight.shape))
+def tuned_config(rows: int, n: int, k: int, dtype: torch.dtype) -> GemmConfig | None:
+    """The config for a [rows, k] x [n, k]^T product, or None where cuBLAS is faster."""
+    return _TUNED.get((row_bucket(rows), n, k)) if dtype in _HALF else None
+
+
+def linear_kernel(layer: Any, config: GemmConfig) -> Callable[..., torch.Tensor]:
+    """A linear layer's kernel-table entry (``linear.LinearKernel``) running this GEMM on the
+    layer's (bias-free) weight."""
+    def run(x: torch.Tensor, out: torch.Tensor | None) -> torch.Tensor:
+        return skinny_gemm(x, layer.weight, config, out=out)
+
+    return run
+
+
+def silu_kernel(layer: Any, config: GemmConfig) -> Callable[[torch.Tensor], torch.Tensor]:
+    """A gate|up layer's SiLU kernel-table entry (``linear.SiluKernel``)."""
+    def run(x: torch.Tensor) -> torch.Tensor:
+        return skinny_gemm_silu(x, layer.weight, config)
+
+    return run
 
 
 # Gate|up projections with the SiLU-and-multiply in the epilogue (one launch instead of the
@@ -140,12 +156,10 @@ _TUNED_SILU: dict[tuple[int, int, int], GemmConfig] = {
 }
 
 
-def tuned_silu_config(x: torch.Tensor, weight: torch.Tensor) -> GemmConfig | None:
-    """The config of ``skinny_gemm_silu`` for ``x`` and a gate|up weight, or None where the
-    GEMM and the separate activation are faster."""
-    if not _eligible(x, weight):
-        return None
-    return _TUNED_SILU.get((row_bucket(x.shape[0]), *weight.shape))
+def tuned_silu_config(rows: int, n: int, k: int, dtype: torch.dtype) -> GemmConfig | None:
+    """The config of ``skinny_gemm_silu`` for ``rows`` inputs and a gate|up weight [n, k],
+    or None where the GEMM and the separate activation are faster."""
+    return _TUNED_SILU.get((row_bucket(rows), n, k)) if dtype in _HALF else None
 
 
 def skinny_gemm_silu(x: torch.Tensor, weight: torch.Tensor,
@@ -171,7 +185,7 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, n: int, config: GemmConfig | 
     """Checks the shapes and runs the kernel for an [M, n] output."""
     m = x.shape[0]
     k = weight.shape[1]
-    if x.shape[1] != k:
+    if x.dim() != 2 or x.shape[1] != k or x.stride(1) != 1 or weight.stride(1) != 1:
         raise ValueError(f"input of shape {tuple(x.shape)} for a weight of {tuple(weight.shape)}")
     cfg = config or default_config(m, n, k)
     if k % cfg.block_k:

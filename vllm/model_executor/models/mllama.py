@@ -1,8 +1,8 @@
 """Llama 3.2 Vision (``MllamaForConditionalGeneration``): text decoder, projector, top level.
 
-Semantics follow Meta's reference (see DESIGN.md): cross-attention layers gate both branches by
-tanh and zero both branches for text tokens that see no image (the per-token row mask). The
-forward reads per-step :class:`~vllm.attention.metadata.AttentionMetadata` from the forward
+Semantics follow Meta's reference (docs/architecture.md, "Model semantics"): cross-attention
+layers gate both branches by tanh and zero both branches for text tokens that see no image (the
+per-token row mask). The forward reads per-step attention metadata from the forward
 context; the skip of the cross layers is decided from the host integer ``max_encoder_seq_len``.
 """
 
@@ -16,7 +16,7 @@ from torch import nn
 from vllm.attention.layer import Attention, CrossAttention
 from vllm.forward_context import get_attention_metadata
 from vllm.model_executor.layers.activation import SiluAndMul
-from vllm.model_executor.layers.layernorm import RMSNorm, masked_gate
+from vllm.model_executor.layers.layernorm import MaskedGate, RMSNorm
 from vllm.model_executor.layers.linear import Linear, MergedLinear
 from vllm.model_executor.layers.rotary_embedding import RotaryEmbedding
 from vllm.model_executor.models.mllama_vision import MllamaVisionModel
@@ -32,15 +32,9 @@ class LlamaMLP(nn.Module):
         self.act = SiluAndMul()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.is_cuda:
-            from vllm.model_executor.layers.skinny_gemm import (
-                skinny_gemm_silu,
-                tuned_silu_config,
-            )
-
-            cfg = tuned_silu_config(x, self.gate_up_proj.weight)
-            if cfg is not None:  # decode sizes: the activation in the GEMM's epilogue
-                return self.down_proj(skinny_gemm_silu(x, self.gate_up_proj.weight, cfg))
+        fused = self.gate_up_proj.silu_kernel()
+        if fused is not None:  # decode sizes: the activation in the GEMM's epilogue
+            return self.down_proj(fused(x))
         return self.down_proj(self.act(self.gate_up_proj(x)))
 
 
@@ -122,6 +116,7 @@ class MllamaCrossAttentionDecoderLayer(nn.Module):
         self.cross_attn_mlp_gate = nn.Parameter(torch.zeros(1), requires_grad=False)
         # tanh of the gates, refreshed after loading (two fewer launches per layer and step).
         self.register_buffer("gates_tanh", torch.zeros(2), persistent=False)
+        self.mlp_gate = MaskedGate()
 
     def refresh_gates(self) -> None:
         with torch.no_grad():
@@ -140,7 +135,7 @@ class MllamaCrossAttentionDecoderLayer(nn.Module):
         h = self.cross_attn(h, vision)
         h, residual = self.post_attention_layernorm.forward_gated(
             h, residual, self.gates_tanh[0:1], row_mask)
-        return masked_gate(self.mlp(h), self.gates_tanh[1:2], row_mask), residual
+        return self.mlp_gate(self.mlp(h), self.gates_tanh[1:2], row_mask), residual
 
 
 class MllamaTextModel(nn.Module):

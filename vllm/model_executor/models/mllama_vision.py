@@ -11,6 +11,7 @@ appended (Meta's reference; HF >= 4.56 takes outputs).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -18,6 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from vllm.attention.ops.vision_attention import padding_rows_ranges, vision_attention
+from vllm.model_executor.layers.kernel_target import KernelTarget
 from vllm.model_executor.layers.linear import Linear, MergedLinear
 from vllm.transformers_utils.config import VisionSpec
 from vllm.utils import to_device
@@ -69,6 +71,14 @@ class VisionEncoderLayer(nn.Module):
         if gated:
             self.gate_attn = nn.Parameter(torch.zeros(1), requires_grad=False)
             self.gate_ffn = nn.Parameter(torch.zeros(1), requires_grad=False)
+        self._add_layer_norm: Callable[..., tuple[torch.Tensor, torch.Tensor]] | None = None
+
+    def select_kernels(self, target: KernelTarget) -> None:
+        self._add_layer_norm = None
+        if target.fused:  # the add and the norm in one launch
+            from vllm.model_executor.layers.fused_kernels import add_layer_norm
+
+            self._add_layer_norm = add_layer_norm
 
     def forward(self, x: torch.Tensor, num_valid: int,
                 pad_ranges: torch.Tensor | None = None) -> torch.Tensor:
@@ -81,11 +91,20 @@ class VisionEncoderLayer(nn.Module):
         """Adds the previous layer's pending branch (``gate * delta``) and runs this layer.
         Returns (residual, MLP branch, its gate) with the branch not yet added, so the next
         norm can take the addition in the same kernel."""
-        x, y = _add_norm(self.input_layernorm, x, delta, gate)
+        x, y = self._add_norm(self.input_layernorm, x, delta, gate)
         h = self.self_attn(y, num_valid, pad_ranges)
-        x, y = _add_norm(self.post_attention_layernorm, x, h,
-                         self.gate_attn.tanh() if self.gated else None)
+        x, y = self._add_norm(self.post_attention_layernorm, x, h,
+                              self.gate_attn.tanh() if self.gated else None)
         return x, self.mlp(y), self.gate_ffn.tanh() if self.gated else None
+
+    def _add_norm(self, norm: nn.LayerNorm, x: torch.Tensor, delta: torch.Tensor | None,
+                  gate: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """(x + gate * delta, norm of it): one fused kernel (the sum rounded as torch rounds
+        it), or the torch operations."""
+        if self._add_layer_norm is not None:
+            return self._add_layer_norm(x, norm.weight, norm.bias, norm.eps, delta, gate)
+        x = _apply(x, delta, gate)
+        return x, norm(x)
 
 
 def _apply(x: torch.Tensor, delta: torch.Tensor | None,
@@ -94,18 +113,6 @@ def _apply(x: torch.Tensor, delta: torch.Tensor | None,
     if delta is None:
         return x
     return x + (gate * delta if gate is not None else delta)
-
-
-def _add_norm(norm: nn.LayerNorm, x: torch.Tensor, delta: torch.Tensor | None,
-              gate: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
-    """(x + gate * delta, norm of it): one Triton kernel on CUDA (the sum rounded as torch
-    rounds it), the torch operations elsewhere."""
-    if x.is_cuda:
-        from vllm.model_executor.layers.fused_kernels import add_layer_norm
-
-        return add_layer_norm(x, norm.weight, norm.bias, norm.eps, delta, gate)
-    x = _apply(x, delta, gate)
-    return x, norm(x)
 
 
 class VisionEncoder(nn.Module):
@@ -209,6 +216,17 @@ class MllamaVisionModel(nn.Module):
         self.layernorm_post = nn.LayerNorm(d)
         self.transformer = VisionEncoder(spec, spec.num_hidden_layers, gated=False)
         self.global_transformer = VisionEncoder(spec, spec.num_global_layers, gated=True)
+        self._embed_norm: Callable[..., torch.Tensor] | None = None  # vision_embed_norm
+        # Padding rows of images at the maximum tile count go through the split ranged kernel
+        # (``vision_attention.py``) with fused kernels; SDPA otherwise.
+        self._split_padding = False
+
+    def select_kernels(self, target: KernelTarget) -> None:
+        self._embed_norm, self._split_padding = None, target.fused
+        if target.fused:
+            from vllm.model_executor.layers.fused_kernels import vision_embed_norm
+
+            self._embed_norm = vision_embed_norm
 
     def _embed(self, pixel_values: torch.Tensor, aspect_ratio_ids: torch.Tensor) -> torch.Tensor:
         # pixel_values: [N, T, C, S, S] -> [N, T, P_padded, D]
@@ -220,13 +238,11 @@ class MllamaVisionModel(nn.Module):
         # convolution took 0.47 ms on the H200 for 4 tiles; the GEMM and the patch copy ~30 us).
         x = F.linear(x, w.reshape(w.shape[0], -1)).view(n, t, -1, s.hidden_size)
         pre = self.pre_tile_positional_embedding(aspect_ratio_ids)  # [N, T, D]
-        if x.is_cuda:
+        if self._embed_norm is not None:
             # The rest of this function in one kernel (it was a dozen passes over the tokens).
-            from vllm.model_executor.layers.fused_kernels import vision_embed_norm
-
             pe, ln = self.gated_positional_embedding, self.layernorm_pre
             gate = pe.gate.tanh()
-            return vision_embed_norm(x, pre, self.class_embedding, pe.embedding, 1 - gate, gate,
+            return self._embed_norm(x, pre, self.class_embedding, pe.embedding, 1 - gate, gate,
                                      pe.tile_embedding.weight, aspect_ratio_ids, ln.weight,
                                      ln.bias, ln.eps, s.padded_tokens_per_tile)
         x = x + pre.unsqueeze(2)
@@ -249,7 +265,8 @@ class MllamaVisionModel(nn.Module):
         out = x.new_empty(g, num_valid, d * (1 + len(s.intermediate_layers_indices)))
         state = GroupEncoding(x.reshape(g, t * pp, d)[:, order], order, aspect_ratio_ids,
                               num_valid, total, out,
-                              pad_ranges=padding_rows_ranges(t * pp, num_valid, x.device))
+                              pad_ranges=padding_rows_ranges(t * pp, num_valid, x.device,
+                                                             self._split_padding))
         if not self.transformer.layers:
             state.hidden = self._post_local(state.hidden, state)
         return state

@@ -1,0 +1,53 @@
+"""The model on its device, its kernels chosen, and what is captured before the KV pool is sized.
+
+``load_model`` is the first half of building an engine: it needs only the configuration the
+user asked for. The memory profile then measures it (``memory.py``), the configuration is fitted
+to the pages that fit, and the runner is built once with that final configuration.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+from vllm.attention.layer import Attention, CrossAttention
+from vllm.attention.selector import get_attn_backend
+from vllm.config import VllmConfig
+from vllm.model_executor.layers.kernel_target import KernelTarget, kernel_target, select_kernels
+from vllm.model_executor.model_loader.loader import get_model
+from vllm.model_executor.models.mllama import MllamaForConditionalGeneration
+from vllm.worker.cache_engine import PageLayout
+from vllm.worker.vision_graph import VisionGraphRunner, capture_vision_graphs
+
+
+@dataclass
+class LoadedModel:
+    """A loaded model and its load-time choices."""
+
+    model: MllamaForConditionalGeneration
+    kernels: KernelTarget
+    layout: PageLayout
+    vision_graphs: VisionGraphRunner | None
+    load_seconds: float
+
+
+def load_model(config: VllmConfig) -> LoadedModel:
+    """Builds the model on its device with its weights, binds the attention back-end, chooses
+    every layer's kernels for the decode buckets, and captures the vision graphs (CUDA, unless
+    ``enforce_eager``)."""
+    t0 = time.perf_counter()
+    mc = config.model_config
+    device = config.device_config.device
+    model = get_model(mc.spec, mc.model_path, mc.load_format, mc.dtype, device,
+                      max_position=mc.max_model_len, seed=mc.seed)
+    backend = get_attn_backend(device)
+    for module in model.modules():
+        if isinstance(module, (Attention, CrossAttention)):
+            module.backend = backend
+    target = kernel_target(device, config.compilation_config.cuda_graph_sizes)
+    select_kernels(model, target)
+    vision_graphs = None
+    if device.type == "cuda" and not mc.enforce_eager:
+        vision_graphs = capture_vision_graphs(model, device)
+    layout = PageLayout.for_model(mc.spec, config.cache_config.block_size, mc.dtype)
+    return LoadedModel(model, target, layout, vision_graphs, time.perf_counter() - t0)
