@@ -38,8 +38,9 @@ class EnvVar:
         try:
             return self.parse(raw.strip())
         except ValueError as e:
-            raise EnvironmentVariableError(f"environment variable {self.name}={raw!r}: {e}") \
-                from None
+            raise EnvironmentVariableError(
+                f"environment variable {self.name}={raw!r}: {e}"
+            ) from None
 
 
 def _positive_float(raw: str) -> float:
@@ -83,34 +84,70 @@ def _flag(raw: str) -> bool:
 
 
 _VARIABLES: tuple[EnvVar, ...] = (
-    EnvVar("VLLM_LOGGING_LEVEL", "INFO", _log_level,
-           "Level of the package's logger (DEBUG, INFO, WARNING, ERROR, CRITICAL)."),
-    EnvVar("VLLM_API_KEY", None, str,
-           "The server's API key when --api-key is not given."),
-    EnvVar("VLLM_ATTENTION_BACKEND", None, _choice("TRITON", "TORCH"),
-           "Attention back-end on CUDA: TRITON (default) or TORCH (plain torch, for "
-           "debugging). The CPU always runs TORCH."),
-    EnvVar("VLLM_DEMO_DIR", None, os.path.expanduser,
-           "Folder of the generated demo checkpoints (default ~/.cache/vllm-mllama/demo)."),
-    EnvVar("VLLM_MAX_REQUEST_BODY_BYTES", None, _positive_int,
-           "The server's request body limit when --max-request-body-bytes is not given "
-           "(default 32 MiB)."),
-    EnvVar("VLLM_ALLOWED_IMAGE_HOSTS", (), _host_list,
-           "Comma-separated hosts or networks added to --allowed-image-hosts."),
-    EnvVar("VLLM_IMAGE_FETCH_TIMEOUT", 5.0, _positive_float,
-           "Seconds allowed to fetch one http(s) image."),
-    EnvVar("VLLM_IMAGE_FETCH_MAX_BYTES", 20 << 20, _positive_int,
-           "Largest image, in bytes, fetched from a URL or read from a file."),
-    EnvVar("VLLM_IMAGE_MAX_PIXELS", 64 << 20, _positive_int,
-           "Largest image, in pixels (width x height), that is decoded. The default is far "
-           "above what the model sees (at most 4 tiles of 560 x 560) and below Pillow's own "
-           "decompression-bomb error (2 x 89.5 Mpx), so this limit's message is the one "
-           "users get."),
-    EnvVar("TRITON_INTERPRET", False, _flag,
-           "Triton's own switch (1: kernels run in Triton's interpreter, on CPU tensors); "
-           "read here so kernels that need exact products under the interpreter know it."),
-    EnvVar("OPENAI_API_KEY", None, str,
-           "API key `vllm bench serve` sends (the OpenAI SDK's variable)."),
+    EnvVar(
+        "VLLM_LOGGING_LEVEL",
+        "INFO",
+        _log_level,
+        "Level of the package's logger (DEBUG, INFO, WARNING, ERROR, CRITICAL).",
+    ),
+    EnvVar("VLLM_API_KEY", None, str, "The server's API key when --api-key is not given."),
+    EnvVar(
+        "VLLM_ATTENTION_BACKEND",
+        None,
+        _choice("TRITON", "TORCH"),
+        "Attention back-end on CUDA: TRITON (default) or TORCH (plain torch, for "
+        "debugging). The CPU always runs TORCH.",
+    ),
+    EnvVar(
+        "VLLM_DEMO_DIR",
+        None,
+        os.path.expanduser,
+        "Folder of the generated demo checkpoints (default ~/.cache/vllm-mllama/demo).",
+    ),
+    EnvVar(
+        "VLLM_MAX_REQUEST_BODY_BYTES",
+        None,
+        _positive_int,
+        "The server's request body limit when --max-request-body-bytes is not given "
+        "(default 32 MiB).",
+    ),
+    EnvVar(
+        "VLLM_ALLOWED_IMAGE_HOSTS",
+        (),
+        _host_list,
+        "Comma-separated hosts or networks added to --allowed-image-hosts.",
+    ),
+    EnvVar(
+        "VLLM_IMAGE_FETCH_TIMEOUT",
+        5.0,
+        _positive_float,
+        "Seconds allowed to fetch one http(s) image.",
+    ),
+    EnvVar(
+        "VLLM_IMAGE_FETCH_MAX_BYTES",
+        20 << 20,
+        _positive_int,
+        "Largest image, in bytes, fetched from a URL or read from a file.",
+    ),
+    EnvVar(
+        "VLLM_IMAGE_MAX_PIXELS",
+        64 << 20,
+        _positive_int,
+        "Largest image, in pixels (width x height), that is decoded. The default is far "
+        "above what the model sees (at most 4 tiles of 560 x 560) and below Pillow's own "
+        "decompression-bomb error (2 x 89.5 Mpx), so this limit's message is the one "
+        "users get.",
+    ),
+    EnvVar(
+        "TRITON_INTERPRET",
+        False,
+        _flag,
+        "Triton's own switch (1: kernels run in Triton's interpreter, on CPU tensors); "
+        "read here so kernels that need exact products under the interpreter know it.",
+    ),
+    EnvVar(
+        "OPENAI_API_KEY", None, str, "API key `vllm bench serve` sends (the OpenAI SDK's variable)."
+    ),
 )
 
 VARIABLES: dict[str, EnvVar] = {v.name: v for v in _VARIABLES}

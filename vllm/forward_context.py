@@ -25,8 +25,9 @@ _active = False
 
 
 @contextmanager
-def set_forward_context(metadata: AttentionMetadata | None,
-                        row_bucket: int = ANY_ROWS) -> Iterator[None]:
+def set_forward_context(
+    metadata: AttentionMetadata | None, row_bucket: int = ANY_ROWS
+) -> Iterator[None]:
     """Installs ``metadata`` (None: a forward without attention, such as one MLP in a test)
     and the decode ``row_bucket`` index (``ANY_ROWS`` otherwise) for one forward pass."""
     global _current, _row_bucket, _active

@@ -12,5 +12,6 @@ def use_fused_kernels(monkeypatch, num_sms: int = 132) -> None:
     from vllm.worker import loaded_model
 
     monkeypatch.setattr(kernel_target, "uses_fused_kernels", lambda device: True)
-    monkeypatch.setattr(loaded_model, "get_attn_backend",
-                        lambda device: TritonBackend(num_sms=num_sms))
+    monkeypatch.setattr(
+        loaded_model, "get_attn_backend", lambda device: TritonBackend(num_sms=num_sms)
+    )

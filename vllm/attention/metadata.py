@@ -42,9 +42,11 @@ class DecodeMetadata:
             value = getattr(self, f.name)
             kind = torch.Tensor if f.type == "torch.Tensor" else int
             if not isinstance(value, kind) or isinstance(value, bool):
-                raise TypeError(f"DecodeMetadata.{f.name} must be a {kind.__name__} (captured "
-                                f"code reads only device tensors and capture-time integers), "
-                                f"got {type(value).__name__}")
+                raise TypeError(
+                    f"DecodeMetadata.{f.name} must be a {kind.__name__} (captured "
+                    f"code reads only device tensors and capture-time integers), "
+                    f"got {type(value).__name__}"
+                )
 
     @property
     def num_seqs(self) -> int:

@@ -61,9 +61,18 @@ class Replay(NamedTuple):
 class DecodeGraphRunner:
     """Captures and replays the decode forward per (family, bucket)."""
 
-    def __init__(self, forward: DecodeForward, rows: DecodeRows, sizes: Sequence[int],
-                 width: int, cross_width: int, max_seq_len: int, max_encoder_seq_len: int,
-                 vocab_size: int, argmax: Callable[..., torch.Tensor]) -> None:
+    def __init__(
+        self,
+        forward: DecodeForward,
+        rows: DecodeRows,
+        sizes: Sequence[int],
+        width: int,
+        cross_width: int,
+        max_seq_len: int,
+        max_encoder_seq_len: int,
+        vocab_size: int,
+        argmax: Callable[..., torch.Tensor],
+    ) -> None:
         self._forward = forward
         self.decode_rows = rows
         self.sizes = sorted(sizes)
@@ -71,16 +80,18 @@ class DecodeGraphRunner:
         self.device = rows.device
         self._argmax = argmax
         self._uploaded_rows: list[int] | None = None  # what static_rows holds, if known
-        self.static_rows = torch.full((self.sizes[-1],), self.null_row, dtype=torch.int64,
-                                      device=self.device)
+        self.static_rows = torch.full(
+            (self.sizes[-1],), self.null_row, dtype=torch.int64, device=self.device
+        )
         self.width, self.cross_width = width, cross_width
         self.max_seq_len = max_seq_len
         self.max_encoder_seq_len = max_encoder_seq_len
         self.graphs: dict[tuple[str, int], torch.cuda.CUDAGraph] = {}
         # One logits buffer for every graph (each graph's own output buffer would stay
         # allocated: 38 graphs x [bucket, vocab] fp32 is over 1 GB for the 11B at 128 seqs).
-        self.static_logits = torch.empty(self.sizes[-1], vocab_size, dtype=torch.float32,
-                                         device=self.device)
+        self.static_logits = torch.empty(
+            self.sizes[-1], vocab_size, dtype=torch.float32, device=self.device
+        )
         # Each row's argmax, computed inside the graph: greedy batches need nothing more.
         self.static_greedy = torch.zeros(self.sizes[-1], dtype=torch.int64, device=self.device)
         self.capture_time_s = 0.0
@@ -89,15 +100,21 @@ class DecodeGraphRunner:
 
     def shape(self, bs: int, family: str) -> DecodeShape:
         """The static shape the (family, ``bs``) graph is captured with."""
-        return DecodeShape(self.sizes.index(bs), self.width, self.cross_width, self.max_seq_len,
-                           self.max_encoder_seq_len if family == CROSS else 0)
+        return DecodeShape(
+            self.sizes.index(bs),
+            self.width,
+            self.cross_width,
+            self.max_seq_len,
+            self.max_encoder_seq_len if family == CROSS else 0,
+        )
 
     def forward(self, bs: int, family: str) -> torch.Tensor:
         """The captured function: decode over ``static_rows[:bs]`` with static scalars,
         logits into the shared static buffer, their row argmax into ``static_greedy``, and
         the rows advanced with it."""
-        logits = self._forward(self.static_rows[:bs], self.shape(bs, family),
-                               self.static_logits[:bs])
+        logits = self._forward(
+            self.static_rows[:bs], self.shape(bs, family), self.static_logits[:bs]
+        )
         self._argmax(logits, out=self.static_greedy[:bs])
         # Greedy tokens into the rows and positions on: nothing left to launch for a greedy
         # step (the runner rewrites the tokens when it samples others).
@@ -107,8 +124,7 @@ class DecodeGraphRunner:
     @torch.inference_mode()
     def capture(self) -> None:
         if self.device.type != "cuda":
-            logger.info("Decode graphs emulated on %s (buckets %s)", self.device.type,
-                        self.sizes)
+            logger.info("Decode graphs emulated on %s (buckets %s)", self.device.type, self.sizes)
             return
         t0 = time.perf_counter()
         torch.cuda.synchronize()
@@ -130,18 +146,23 @@ class DecodeGraphRunner:
         torch.cuda.synchronize()
         self.capture_time_s = time.perf_counter() - t0
         self.graph_memory_bytes = torch.cuda.memory_reserved() - mem0
-        logger.info("Captured %d decode graphs (text + cross families, buckets %s) in %.1f s "
-                    "using %.2f GiB", len(self.graphs), self.sizes, self.capture_time_s,
-                    self.graph_memory_bytes / (1 << 30))
+        logger.info(
+            "Captured %d decode graphs (text + cross families, buckets %s) in %.1f s "
+            "using %.2f GiB",
+            len(self.graphs),
+            self.sizes,
+            self.capture_time_s,
+            self.graph_memory_bytes / (1 << 30),
+        )
 
     def _upload_rows(self, rows: list[int]) -> None:
         if self.device.type == "cuda":
             # One host->device copy straight into the static buffer, from a fresh pinned
             # tensor (the caching host allocator keeps it until the copy has run).
             pinned = torch.tensor(rows, dtype=torch.int64, pin_memory=True)
-            self.static_rows[:len(rows)].copy_(pinned, non_blocking=True)
+            self.static_rows[: len(rows)].copy_(pinned, non_blocking=True)
         else:
-            self.static_rows[:len(rows)].copy_(torch.tensor(rows, dtype=torch.int64))
+            self.static_rows[: len(rows)].copy_(torch.tensor(rows, dtype=torch.int64))
         self._uploaded_rows = rows
 
     def bucket_for(self, n: int) -> int:
@@ -164,6 +185,9 @@ class DecodeGraphRunner:
             self.graphs[(family, bs)].replay()
         views = self._views.get(n)
         if views is None:  # slicing costs host time every step; the views never change
-            views = self._views[n] = (self.static_logits[:n], self.static_rows[:n],
-                                      self.static_greedy[:n])
+            views = self._views[n] = (
+                self.static_logits[:n],
+                self.static_rows[:n],
+                self.static_greedy[:n],
+            )
         return Replay(*views, (family, bs))

@@ -38,8 +38,15 @@ def load_model(config: VllmConfig) -> LoadedModel:
     t0 = time.perf_counter()
     mc = config.model_config
     device = config.device_config.device
-    model = get_model(mc.spec, mc.model_path, mc.load_format, mc.dtype, device,
-                      max_position=mc.max_model_len, seed=mc.seed)
+    model = get_model(
+        mc.spec,
+        mc.model_path,
+        mc.load_format,
+        mc.dtype,
+        device,
+        max_position=mc.max_model_len,
+        seed=mc.seed,
+    )
     backend = get_attn_backend(device)
     for module in model.modules():
         if isinstance(module, (Attention, CrossAttention)):

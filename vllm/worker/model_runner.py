@@ -90,9 +90,12 @@ class EncoderJob:
 def _step_invariant(seq: Sequence) -> bool:
     """Whether the sequence's sampling inputs no longer depend on its outputs."""
     p = seq.request.params
-    return (p.repetition_penalty == 1.0 and p.frequency_penalty == 0.0
-            and p.presence_penalty == 0.0
-            and (not p.min_tokens or seq.num_output_tokens >= p.min_tokens))
+    return (
+        p.repetition_penalty == 1.0
+        and p.frequency_penalty == 0.0
+        and p.presence_penalty == 0.0
+        and (not p.min_tokens or seq.num_output_tokens >= p.min_tokens)
+    )
 
 
 class ModelRunner:
@@ -117,8 +120,14 @@ class ModelRunner:
         self.cache_engine.bind(self.model)
         self.max_pages_per_seq = self.layout.pages_for_tokens(mc.max_model_len)
         self.max_cross_pages = self.layout.cross_pages_for_tokens(mc.max_encoder_seq_len)
-        self.rows = DecodeRows(sc.max_num_seqs, self.max_pages_per_seq, self.max_cross_pages,
-                               self.layout.block_size, self.device, fused=fused)
+        self.rows = DecodeRows(
+            sc.max_num_seqs,
+            self.max_pages_per_seq,
+            self.max_cross_pages,
+            self.layout.block_size,
+            self.device,
+            fused=fused,
+        )
         self.prefill_job: PrefillJob | None = None  # a prefill spread over decode steps
         self.stats = RunnerStats()
         self.results = ResultCopier(self.device, sc.max_num_seqs)
@@ -128,13 +137,21 @@ class ModelRunner:
         self.graphs: DecodeGraphRunner | None = None
         if not mc.enforce_eager:
             self.graphs = DecodeGraphRunner(
-                self.decode_forward, self.rows, self.bucket_sizes, self.max_pages_per_seq,
-                self.max_cross_pages, mc.max_model_len, mc.max_encoder_seq_len,
-                self.vocab_size, self.sampler.argmax)
+                self.decode_forward,
+                self.rows,
+                self.bucket_sizes,
+                self.max_pages_per_seq,
+                self.max_cross_pages,
+                mc.max_model_len,
+                mc.max_encoder_seq_len,
+                self.vocab_size,
+                self.sampler.argmax,
+            )
             self.graphs.capture()
 
-    def encode_images(self, pixel_values: torch.Tensor, aspect_ratio_ids: torch.Tensor,
-                      num_tiles: list[int]) -> torch.Tensor:
+    def encode_images(
+        self, pixel_values: torch.Tensor, aspect_ratio_ids: torch.Tensor, num_tiles: list[int]
+    ) -> torch.Tensor:
         if self.vision_graphs is not None:
             return self.vision_graphs.encode(pixel_values, aspect_ratio_ids, num_tiles)
         return self.model.encode_images(pixel_values, aspect_ratio_ids, num_tiles)
@@ -179,7 +196,7 @@ class ModelRunner:
         flat = torch.zeros(rows[-1] * widest, dtype=dtype, device=self.device)
         for m in linears.values():
             for r in rows:
-                m(flat[:r * m.in_features].view(r, m.in_features))
+                m(flat[: r * m.in_features].view(r, m.in_features))
         return len(linears) * len(rows)
 
     # ------------------------------------------------------------------ steps
@@ -219,8 +236,11 @@ class ModelRunner:
         outputs so far (penalties, min_tokens); without those, a batch of the same sequences
         as the last step reuses that step's (read-only) inputs instead of rebuilding them."""
         steady = self._steady_sampling
-        if (steady is not None and len(steady[0]) == len(seqs)
-                and all(a is b for a, b in zip(steady[0], seqs, strict=True))):
+        if (
+            steady is not None
+            and len(steady[0]) == len(seqs)
+            and all(a is b for a, b in zip(steady[0], seqs, strict=True))
+        ):
             return steady[1]
         md = self._sampling_rows(seqs)
         self._steady_sampling = (list(seqs), md) if all(map(_step_invariant, seqs)) else None
@@ -234,8 +254,11 @@ class ModelRunner:
                 # One generator per sibling: same seed, same tokens, whatever the batch.
                 s.generator = make_generator(p.seed + s.index, self.device)
             stop_ids = tuple(p.all_stop_token_ids) if p.min_tokens else ()
-            rows.append(SamplingRow(p, s.request.inputs.prompt_token_ids, s.output_token_ids,
-                                    s.generator, stop_ids))
+            rows.append(
+                SamplingRow(
+                    p, s.request.inputs.prompt_token_ids, s.output_token_ids, s.generator, stop_ids
+                )
+            )
         return SamplingMetadata.build(rows, self.vocab_size, self.device)
 
     @torch.inference_mode()
@@ -264,8 +287,17 @@ class ModelRunner:
         for s in out.prefill_seqs:
             req = s.request
             write_cross = req.has_images and not req.cross_written
-            items.append(PrefillItem(list(s.token_ids), req.inputs, req, s.block_table,
-                                     req.cross_block_table, write_cross, req.encoded_images))
+            items.append(
+                PrefillItem(
+                    list(s.token_ids),
+                    req.inputs,
+                    req,
+                    s.block_table,
+                    req.cross_block_table,
+                    write_cross,
+                    req.encoded_images,
+                )
+            )
             if write_cross:
                 req.cross_written = True
         # The encoder first: the GPU runs it while the host builds the text inputs. With
@@ -274,24 +306,27 @@ class ModelRunner:
         images = step_images(items, self.device, upload=graphs is None)
         vision = None
         if images is not None and graphs is not None:
-            vision = graphs.encode_host(images.host_pixels, images.host_aspect_ratio_ids,
-                                        images.num_tiles)
+            vision = graphs.encode_host(
+                images.host_pixels, images.host_aspect_ratio_ids, images.num_tiles
+            )
         elif images is not None:
-            vision = self.encode_images(images.pixel_values, images.aspect_ratio_ids,
-                                        images.num_tiles)
-        batch = build_prefill_batch(items, lo.block_size, lo.cross_block_size, self.device,
-                                    pad_rows=True)
+            vision = self.encode_images(
+                images.pixel_values, images.aspect_ratio_ids, images.num_tiles
+            )
+        batch = build_prefill_batch(
+            items, lo.block_size, lo.cross_block_size, self.device, pad_rows=True
+        )
         for s in out.prefill_seqs:
             s.request.encoded_images = None  # consumed (freed once this step has run)
         if batch.vision_parts:
             vision = batch.assemble_vision(vision)
         with set_forward_context(batch.metadata):
-            state = self.model.language_model.model.begin(batch.input_ids, batch.positions,
-                                                          vision)
+            state = self.model.language_model.model.begin(batch.input_ids, batch.positions, vision)
         return PrefillJob(out, batch, state)
 
-    def _prefill(self, out: SchedulerOutput, prompt_logprobs: dict[str, PromptLogprobsOnDevice]
-                 ) -> tuple[StepOutput, SamplerOutput]:
+    def _prefill(
+        self, out: SchedulerOutput, prompt_logprobs: dict[str, PromptLogprobsOnDevice]
+    ) -> tuple[StepOutput, SamplerOutput]:
         job = self.prefill_job
         if job is None or job.out is not out:
             job = self._begin_prefill(out)
@@ -311,16 +346,27 @@ class ModelRunner:
         for s in sample_seqs:
             s.row = self.rows.acquire()
             rows.append(s.row)
-            self.rows.load(s.row, s.block_table, s.request.cross_block_table,
-                           s.request.inputs.encoder_seq_len, len(s.token_ids))
+            self.rows.load(
+                s.row,
+                s.block_table,
+                s.request.cross_block_table,
+                s.request.inputs.encoder_seq_len,
+                len(s.token_ids),
+            )
         self.cache_engine.copy_pages(out.page_copies)
-        self.rows.set_tokens(to_device(rows, torch.int64, self.device),
-                             sampler_out.sampled_token_ids)
+        self.rows.set_tokens(
+            to_device(rows, torch.int64, self.device), sampler_out.sampled_token_ids
+        )
         self.stats.prefill_steps += 1
         return StepOutput(seqs=sample_seqs, token_ids=[]), sampler_out
 
-    def _prompt_logprobs(self, out: SchedulerOutput, batch: PrefillBatch, hidden: torch.Tensor,
-                         into: dict[str, PromptLogprobsOnDevice]) -> None:
+    def _prompt_logprobs(
+        self,
+        out: SchedulerOutput,
+        batch: PrefillBatch,
+        hidden: torch.Tensor,
+        into: dict[str, PromptLogprobsOnDevice],
+    ) -> None:
         """Prompt logprobs of the requests that asked for them, left on the device (the
         result copier brings them to the host with the step's other results)."""
         start = 0
@@ -328,14 +374,16 @@ class ModelRunner:
             req = s.request
             k = req.params.prompt_logprobs
             if k is not None and req.prompt_logprobs is None and n > 1:
-                logits = self.model.compute_logits(hidden[start:start + n - 1])
+                logits = self.model.compute_logits(hidden[start : start + n - 1])
                 # Image tokens (id >= vocab) cannot be sampled: no logprob at their positions.
                 raw = s.token_ids[1:n]
-                targets = to_device([t if t < self.vocab_size else 0 for t in raw],
-                                    torch.int64, self.device)
+                targets = to_device(
+                    [t if t < self.vocab_size else 0 for t in raw], torch.int64, self.device
+                )
                 vals, ids, ranks = compute_prompt_logprobs(logits, targets, k)
                 into[req.request_id] = PromptLogprobsOnDevice(
-                    vals, ids, ranks, [t >= self.vocab_size for t in raw])
+                    vals, ids, ranks, [t >= self.vocab_size for t in raw]
+                )
             start += n
 
     def _decode(self, out: SchedulerOutput) -> tuple[StepOutput, SamplerOutput]:
@@ -363,25 +411,31 @@ class ModelRunner:
             self.rows.set_tokens(rows_t, sampler_out.sampled_token_ids)
         return StepOutput(seqs=list(seqs), token_ids=[]), sampler_out
 
-    def _eager_decode(self, seqs: list[Sequence], rows_t: torch.Tensor,
-                      max_enc: int) -> torch.Tensor:
+    def _eager_decode(
+        self, seqs: list[Sequence], rows_t: torch.Tensor, max_enc: int
+    ) -> torch.Tensor:
         width = max(len(s.block_table) for s in seqs)
         cross_width = max(max(len(s.request.cross_block_table) for s in seqs), 1)
         bucket = bisect.bisect_left(self.bucket_sizes, len(seqs))
         shape = DecodeShape(bucket, width, cross_width, max(len(s) for s in seqs), max_enc)
         return self.decode_forward(rows_t, shape)
 
-    def decode_forward(self, rows: torch.Tensor, shape: DecodeShape,
-                       logits_out: torch.Tensor | None = None) -> torch.Tensor:
+    def decode_forward(
+        self, rows: torch.Tensor, shape: DecodeShape, logits_out: torch.Tensor | None = None
+    ) -> torch.Tensor:
         """The decode forward on a row index tensor: gather inputs, run, logits [B, V]
         (float32, into ``logits_out`` when given). Exactly what a decode graph captures (with
         its static shape); the linear layers run the kernels of ``shape.bucket``."""
         inputs = self.rows.gather(rows, shape.width, shape.cross_width)
         md = DecodeMetadata(
-            slot_mapping=inputs.slot_mapping, seq_lens_tensor=inputs.seq_lens,
-            block_tables=inputs.block_tables, encoder_seq_lens_tensor=inputs.encoder_seq_lens,
-            cross_block_tables=inputs.cross_block_tables, max_seq_len=shape.max_seq_len,
-            max_encoder_seq_len=shape.max_encoder_seq_len)
+            slot_mapping=inputs.slot_mapping,
+            seq_lens_tensor=inputs.seq_lens,
+            block_tables=inputs.block_tables,
+            encoder_seq_lens_tensor=inputs.encoder_seq_lens,
+            cross_block_tables=inputs.cross_block_tables,
+            max_seq_len=shape.max_seq_len,
+            max_encoder_seq_len=shape.max_encoder_seq_len,
+        )
         with set_forward_context(md, row_bucket=shape.bucket):
             hidden = self.model(inputs.input_ids, inputs.positions, None)
             return self.model.compute_logits(hidden, out=logits_out)

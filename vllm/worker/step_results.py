@@ -62,21 +62,27 @@ class ResultCopier:
         ring = max_rows if self.pin else 0
         # Sampled ids go to a ring of pinned buffers and events (nothing allocated per step):
         # a slot is reused three launches later, after its step has been collected.
-        self._ring = [torch.empty(ring, dtype=torch.int64, pin_memory=ring > 0)
-                      for _ in range(3)]
+        self._ring = [torch.empty(ring, dtype=torch.int64, pin_memory=ring > 0) for _ in range(3)]
         self._ring_events = [torch.cuda.Event() for _ in self._ring] if ring else []
         self._ring_views: dict[tuple[int, int], torch.Tensor] = {}
         self._launches = 0
         self._stream: torch.cuda.Stream | None = None
-        self._device_index = (device.index if device.index is not None
-                              else torch.cuda.current_device()) if ring else -1
+        self._device_index = (
+            (device.index if device.index is not None else torch.cuda.current_device())
+            if ring
+            else -1
+        )
 
     def _to_host(self, t: torch.Tensor) -> torch.Tensor:
         buf = torch.empty(t.shape, dtype=t.dtype, pin_memory=self.pin)
         return buf.copy_(t, non_blocking=True)
 
-    def start(self, result: StepOutput, out: SamplerOutput,
-              prompt_logprobs: dict[str, PromptLogprobsOnDevice]) -> StepHandle:
+    def start(
+        self,
+        result: StepOutput,
+        out: SamplerOutput,
+        prompt_logprobs: dict[str, PromptLogprobsOnDevice],
+    ) -> StepHandle:
         """Enqueues the copies behind the step's work; nothing here waits for the device."""
         n = len(result.seqs)
         ids = out.sampled_token_ids
@@ -96,11 +102,20 @@ class ResultCopier:
         logprobs = None
         if out.logprobs is not None:
             assert out.logprob_token_ids is not None and out.sampled_ranks is not None
-            logprobs = (self._to_host(out.logprobs[:n]), self._to_host(out.logprob_token_ids[:n]),
-                        self._to_host(out.sampled_ranks[:n]))
-        prompt = {rid: (self._to_host(p.values), self._to_host(p.token_ids),
-                        self._to_host(p.ranks), p.image_positions)
-                  for rid, p in prompt_logprobs.items()}
+            logprobs = (
+                self._to_host(out.logprobs[:n]),
+                self._to_host(out.logprob_token_ids[:n]),
+                self._to_host(out.sampled_ranks[:n]),
+            )
+        prompt = {
+            rid: (
+                self._to_host(p.values),
+                self._to_host(p.token_ids),
+                self._to_host(p.ranks),
+                p.image_positions,
+            )
+            for rid, p in prompt_logprobs.items()
+        }
         if self.pin:
             event = event or torch.cuda.Event()
             event.record(self._current_stream())

@@ -21,19 +21,21 @@ class TorchBackend:
         assert md.seq_lens is not None
         return sdpa.varlen_causal_attention(query, key, value, md.seq_lens, scale)
 
-    def decode_self(self, query, key_cache, value_cache, md: DecodeMetadata,
-                    scale: float) -> torch.Tensor:
+    def decode_self(
+        self, query, key_cache, value_cache, md: DecodeMetadata, scale: float
+    ) -> torch.Tensor:
         return torch_paged.paged_decode_attention(
-            query, key_cache, value_cache, md.block_tables, md.seq_lens_tensor, scale)
+            query, key_cache, value_cache, md.block_tables, md.seq_lens_tensor, scale
+        )
 
-    def prefill_cross(self, query, key, value, md: PrefillMetadata,
-                      scale: float) -> torch.Tensor:
+    def prefill_cross(self, query, key, value, md: PrefillMetadata, scale: float) -> torch.Tensor:
         assert md.cross_range_runs is not None
         return sdpa.ranged_cross_attention(query, key, value, md.cross_range_runs, scale)
 
-    def decode_cross(self, query, key_cache, value_cache, md: DecodeMetadata,
-                     scale: float) -> torch.Tensor:
+    def decode_cross(
+        self, query, key_cache, value_cache, md: DecodeMetadata, scale: float
+    ) -> torch.Tensor:
         assert md.cross_block_tables is not None and md.encoder_seq_lens_tensor is not None
         return torch_paged.paged_decode_attention(
-            query, key_cache, value_cache, md.cross_block_tables, md.encoder_seq_lens_tensor,
-            scale)
+            query, key_cache, value_cache, md.cross_block_tables, md.encoder_seq_lens_tensor, scale
+        )

@@ -15,8 +15,13 @@ from __future__ import annotations
 import torch
 
 
-def _attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
-            visible: torch.Tensor | None = None) -> torch.Tensor:
+def _attend(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    scale: float,
+    visible: torch.Tensor | None = None,
+) -> torch.Tensor:
     """softmax(q k^T * scale) v for one sequence in float64: q [M, Hq, D], k/v [N, Hkv, D]
     (query head h reads KV head h // (Hq / Hkv)); ``visible`` [M, N] bool. A query that sees
     no key gets zeros."""
@@ -77,7 +82,7 @@ def paged_decode_attention(
     for b in range(query.shape[0]):
         k = _paged_rows(key_cache, tables[b], lens[b])
         v = _paged_rows(value_cache, tables[b], lens[b])
-        out[b] = _attend(query[b:b + 1], k, v, scale)[0].to(query.dtype)
+        out[b] = _attend(query[b : b + 1], k, v, scale)[0].to(query.dtype)
     return out
 
 
@@ -95,8 +100,9 @@ def varlen_causal_attention(
     for n in seq_lens:
         end = start + n
         causal = torch.ones(n, n, dtype=torch.bool, device=query.device).tril()
-        out[start:end] = _attend(query[start:end], key[start:end], value[start:end], scale,
-                                 causal).to(query.dtype)
+        out[start:end] = _attend(
+            query[start:end], key[start:end], value[start:end], scale, causal
+        ).to(query.dtype)
         start = end
     return out
 
@@ -113,6 +119,5 @@ def ranged_cross_attention(
     out = torch.zeros_like(query)
     for q0, q1, kv0, kv1 in runs:
         if kv1 > kv0 and q1 > q0:
-            out[q0:q1] = _attend(query[q0:q1], key[kv0:kv1], value[kv0:kv1],
-                                 scale).to(query.dtype)
+            out[q0:q1] = _attend(query[q0:q1], key[kv0:kv1], value[kv0:kv1], scale).to(query.dtype)
     return out

@@ -13,12 +13,18 @@ import torch
 import torch.nn.functional as F
 
 
-def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
-          causal: bool) -> torch.Tensor:
+def _sdpa(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, causal: bool
+) -> torch.Tensor:
     """[L, Hq, D] x [S, Hkv, D] -> [L, Hq, D] (GQA through ``enable_gqa``)."""
     o = F.scaled_dot_product_attention(
-        q.transpose(0, 1).unsqueeze(0), k.transpose(0, 1).unsqueeze(0),
-        v.transpose(0, 1).unsqueeze(0), is_causal=causal, scale=scale, enable_gqa=True)
+        q.transpose(0, 1).unsqueeze(0),
+        k.transpose(0, 1).unsqueeze(0),
+        v.transpose(0, 1).unsqueeze(0),
+        is_causal=causal,
+        scale=scale,
+        enable_gqa=True,
+    )
     return o[0].transpose(0, 1)
 
 

@@ -61,8 +61,9 @@ class RMSNorm(nn.Module):
         residual = residual + x
         return rms_norm_ref(residual, self.weight, self.eps), residual
 
-    def forward_gated(self, x: torch.Tensor, residual: torch.Tensor, gate: torch.Tensor,
-                      row_mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward_gated(
+        self, x: torch.Tensor, residual: torch.Tensor, gate: torch.Tensor, row_mask: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """``residual += gate * where(row_mask, x, 0)``, then the norm of the residual (a
         gated cross-attention branch joining the residual stream; one fused launch)."""
         fused = self._fused
@@ -86,6 +87,5 @@ class MaskedGate(nn.Module):
 
             self._impl = gate_rows
 
-    def forward(self, x: torch.Tensor, gate: torch.Tensor,
-                row_mask: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, gate: torch.Tensor, row_mask: torch.Tensor) -> torch.Tensor:
         return self._impl(x, gate, row_mask)

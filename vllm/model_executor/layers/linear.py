@@ -35,8 +35,9 @@ class WeightShapeError(ValueError):
     """A checkpoint tensor does not have the shape its parameter expects."""
 
 
-def default_weight_loader(param: torch.Tensor, loaded: torch.Tensor,
-                          shard_id: object = None) -> None:
+def default_weight_loader(
+    param: torch.Tensor, loaded: torch.Tensor, shard_id: object = None
+) -> None:
     """Copies ``loaded`` into ``param`` after checking the shape (dtype is converted)."""
     if param.shape != loaded.shape:
         raise WeightShapeError(f"expected shape {tuple(param.shape)}, got {tuple(loaded.shape)}")
@@ -57,8 +58,7 @@ class LinearFormat(ABC):
     def build_kernels(self, layer: Linear, target: KernelTarget) -> list[LinearKernel]:
         """One kernel per ``target.row_buckets`` entry, then one for any row count."""
 
-    def build_silu_kernels(self, layer: Linear,
-                           target: KernelTarget) -> list[SiluKernel | None]:
+    def build_silu_kernels(self, layer: Linear, target: KernelTarget) -> list[SiluKernel | None]:
         """For a gate|up layer: a kernel with the SiLU-and-multiply in its epilogue per row
         bucket (None where the GEMM and a separate activation are used); same indexing."""
         return [None] * (len(target.row_buckets) + 1)
@@ -77,6 +77,7 @@ def _cublaslt_linear(layer: Linear) -> LinearKernel:
     stream the MLP weights 3-12% faster than cuBLAS's and skip the down projection's split-K
     reduction kernel (H200, see benchmarks/RESULTS.md). The library choice is process-wide in
     torch, so it is set around the call and restored."""
+
     def run(x: torch.Tensor, out: torch.Tensor | None) -> torch.Tensor:
         previous = torch.backends.cuda.preferred_blas_library()
         torch.backends.cuda.preferred_blas_library("cublaslt")
@@ -95,10 +96,14 @@ class UnquantizedFormat(LinearFormat):
     name = "unquantized"
 
     def create_weights(self, layer: Linear) -> None:
-        layer.weight = nn.Parameter(torch.empty(layer.out_features, layer.in_features),
-                                    requires_grad=False)
-        layer.bias = (nn.Parameter(torch.empty(layer.out_features), requires_grad=False)
-                      if layer.has_bias else None)
+        layer.weight = nn.Parameter(
+            torch.empty(layer.out_features, layer.in_features), requires_grad=False
+        )
+        layer.bias = (
+            nn.Parameter(torch.empty(layer.out_features), requires_grad=False)
+            if layer.has_bias
+            else None
+        )
         if layer.shards:
             layer.weight.weight_loader = layer.load_shard  # type: ignore[attr-defined]
 
@@ -112,13 +117,13 @@ class UnquantizedFormat(LinearFormat):
         decode_default = _cublaslt_linear(layer) if target.cuda else plain
         table: list[LinearKernel] = []
         for rows in target.row_buckets:
-            cfg = None if layer.bias is not None else sg.tuned_config(rows, n, k,
-                                                                      layer.weight.dtype)
+            cfg = (
+                None if layer.bias is not None else sg.tuned_config(rows, n, k, layer.weight.dtype)
+            )
             table.append(decode_default if cfg is None else sg.linear_kernel(layer, cfg))
         return [*table, plain]
 
-    def build_silu_kernels(self, layer: Linear,
-                           target: KernelTarget) -> list[SiluKernel | None]:
+    def build_silu_kernels(self, layer: Linear, target: KernelTarget) -> list[SiluKernel | None]:
         table: list[SiluKernel | None] = [None] * (len(target.row_buckets) + 1)
         if not target.fused or layer.bias is not None:
             return table
@@ -138,9 +143,14 @@ class Linear(nn.Module):
     ``shards`` (name, rows) stacks several checkpoint matrices along the output dimension.
     """
 
-    def __init__(self, in_features: int, out_features: int, bias: bool = False,
-                 fmt: LinearFormat | None = None,
-                 shards: Sequence[tuple[str, int]] = ()) -> None:
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        bias: bool = False,
+        fmt: LinearFormat | None = None,
+        shards: Sequence[tuple[str, int]] = (),
+    ) -> None:
         super().__init__()
         self.in_features = in_features
         self.out_features = out_features
@@ -162,9 +172,11 @@ class Linear(nn.Module):
 
     def select_kernels(self, target: KernelTarget) -> None:
         self._kernels = self.fmt.build_kernels(self, target)
-        self._silu_kernels = (self.fmt.build_silu_kernels(self, target)
-                              if set(self.shards) == {"gate", "up"} else
-                              [None] * len(self._kernels))
+        self._silu_kernels = (
+            self.fmt.build_silu_kernels(self, target)
+            if set(self.shards) == {"gate", "up"}
+            else [None] * len(self._kernels)
+        )
 
     def forward(self, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         """x [..., in] -> [..., out]; ``out`` (optional, may be float32) receives the result
@@ -187,7 +199,7 @@ class Linear(nn.Module):
         if tuple(loaded.shape) != expected:
             raise WeightShapeError(f"expected shape {expected}, got {tuple(loaded.shape)}")
         with torch.no_grad():
-            param[start:start + size].copy_(loaded)
+            param[start : start + size].copy_(loaded)
 
 
 class MergedLinear(Linear):
@@ -197,11 +209,21 @@ class MergedLinear(Linear):
     ``sum(sizes[:i]) : sum(sizes[:i+1])``.
     """
 
-    def __init__(self, in_features: int, sizes: Sequence[int], shard_names: Sequence[str],
-                 fmt: LinearFormat | None = None) -> None:
+    def __init__(
+        self,
+        in_features: int,
+        sizes: Sequence[int],
+        shard_names: Sequence[str],
+        fmt: LinearFormat | None = None,
+    ) -> None:
         assert len(sizes) == len(shard_names)
-        super().__init__(in_features, sum(sizes), bias=False, fmt=fmt,
-                         shards=list(zip(shard_names, sizes, strict=True)))
+        super().__init__(
+            in_features,
+            sum(sizes),
+            bias=False,
+            fmt=fmt,
+            shards=list(zip(shard_names, sizes, strict=True)),
+        )
         self.sizes = tuple(sizes)
 
     def split(self, y: torch.Tensor) -> tuple[torch.Tensor, ...]:
