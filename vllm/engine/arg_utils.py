@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 from dataclasses import dataclass
 from typing import Any
 
@@ -20,44 +19,15 @@ from vllm.config import (
     VllmConfig,
     resolve_dtype,
 )
+from vllm.engine.cli_args import add_engine_cli_args, parse_limit_mm_per_prompt
 from vllm.logger import init_logger
+from vllm.transformers_utils.config import load_mllama_config
+from vllm.transformers_utils.demo_checkpoints import resolve_model
 
 logger = init_logger(__name__)
 
 CPU_DEFAULT_MAX_MODEL_LEN = 8192
 SUPPORTED_QUANTIZATION: tuple[str, ...] = ()
-
-
-def parse_limit_mm_per_prompt(value: str | dict[str, int] | None) -> dict[str, int]:
-    """Accepts ``{"image": 2}`` (dict or JSON) and the older ``image=2`` form."""
-    if value is None or value == "":
-        return {}
-    if isinstance(value, dict):
-        limits = dict(value)
-    else:
-        try:
-            limits = json.loads(value)
-        except json.JSONDecodeError:
-            limits = {}
-            for part in value.split(","):
-                key, sep, num = part.partition("=")
-                if not sep:
-                    raise ValueError(f"--limit-mm-per-prompt: cannot parse {value!r}; use JSON "
-                                     "such as '{\"image\": 2}'") from None
-                limits[key.strip()] = num.strip()
-    if not isinstance(limits, dict):
-        raise ValueError(f"--limit-mm-per-prompt must be a JSON object, got {value!r}")
-    out = {}
-    for key, num in limits.items():
-        if key != "image":
-            raise ValueError(f"--limit-mm-per-prompt: unsupported modality {key!r} (only image)")
-        try:
-            out[key] = int(num)
-        except (TypeError, ValueError):
-            raise ValueError(f"--limit-mm-per-prompt: {key} must be an integer") from None
-        if out[key] < 0:
-            raise ValueError("--limit-mm-per-prompt: limits must be non-negative")
-    return out
 
 
 @dataclass
@@ -103,11 +73,12 @@ class EngineArgs:
     revision: str | None = None
     download_dir: str | None = None
 
-    @staticmethod
-    def add_cli_args(parser: argparse.ArgumentParser, positional_model: bool = False) -> None:
-        from vllm.engine.cli_args import add_engine_cli_args
-
-        add_engine_cli_args(parser, positional_model)
+    @classmethod
+    def add_cli_args(cls, parser: argparse.ArgumentParser,
+                     positional_model: bool = False) -> argparse.ArgumentParser:
+        """One flag per field (vLLM's names, help and parsing; ``vllm/engine/cli_args.py``)."""
+        add_engine_cli_args(parser, dataclasses.fields(cls), positional_model)
+        return parser
 
     @classmethod
     def from_cli_args(cls, args: argparse.Namespace) -> EngineArgs:
@@ -141,9 +112,6 @@ class EngineArgs:
             raise ValueError(f"block_size must be one of 8, 16, 32, 64, 128; got {self.block_size}")
 
     def create_engine_config(self) -> VllmConfig:
-        from vllm.transformers_utils.config import load_mllama_config
-        from vllm.transformers_utils.demo_checkpoints import resolve_model
-
         self._check_unsupported()
         device = self._device()
         path = resolve_model(self.model)

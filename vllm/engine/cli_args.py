@@ -43,10 +43,40 @@ def normalize_flag_spelling(args: Sequence[str]) -> list[str]:
     return out
 
 
+def parse_limit_mm_per_prompt(value: str | dict[str, int] | None) -> dict[str, int]:
+    """Accepts ``{"image": 2}`` (dict or JSON) and the older ``image=2`` form."""
+    if value is None or value == "":
+        return {}
+    if isinstance(value, dict):
+        limits = dict(value)
+    else:
+        try:
+            limits = json.loads(value)
+        except json.JSONDecodeError:
+            limits = {}
+            for part in value.split(","):
+                key, sep, num = part.partition("=")
+                if not sep:
+                    raise ValueError(f"--limit-mm-per-prompt: cannot parse {value!r}; use JSON "
+                                     "such as '{\"image\": 2}'") from None
+                limits[key.strip()] = num.strip()
+    if not isinstance(limits, dict):
+        raise ValueError(f"--limit-mm-per-prompt must be a JSON object, got {value!r}")
+    out = {}
+    for key, num in limits.items():
+        if key != "image":
+            raise ValueError(f"--limit-mm-per-prompt: unsupported modality {key!r} (only image)")
+        try:
+            out[key] = int(num)
+        except (TypeError, ValueError):
+            raise ValueError(f"--limit-mm-per-prompt: {key} must be an integer") from None
+        if out[key] < 0:
+            raise ValueError("--limit-mm-per-prompt: limits must be non-negative")
+    return out
+
+
 def limit_mm_type(value: str) -> dict[str, int]:
     """argparse type for ``--limit-mm-per-prompt``: JSON (``{"image": 2}``) or ``image=2``."""
-    from vllm.engine.arg_utils import parse_limit_mm_per_prompt
-
     try:
         return parse_limit_mm_per_prompt(value)
     except ValueError as e:
@@ -201,17 +231,18 @@ def _derived_spec(default: Any) -> dict[str, Any]:
     return {}
 
 
-def add_engine_cli_args(parser: argparse.ArgumentParser, positional_model: bool = False) -> None:
-    """Adds one flag per EngineArgs field. Defaults are left to EngineArgs (flags default to
-    ``None``, and ``EngineArgs.from_cli_args`` skips ``None``), so the two never disagree.
+def add_engine_cli_args(parser: argparse.ArgumentParser,
+                        fields: Sequence[dataclasses.Field],
+                        positional_model: bool = False) -> None:
+    """Adds one flag per EngineArgs field (``EngineArgs.add_cli_args`` passes its fields).
+    Defaults are left to EngineArgs (flags default to ``None``, and
+    ``EngineArgs.from_cli_args`` skips ``None``), so the two never disagree.
 
     With ``positional_model`` (``vllm serve MODEL``), ``--model`` stays available as well and
     the positional value wins; the caller resolves that after parsing.
     """
-    from vllm.engine.arg_utils import EngineArgs
-
     group = parser.add_argument_group("engine arguments")
-    for f in dataclasses.fields(EngineArgs):
+    for f in fields:
         spec = dict(_FLAG_SPECS.get(f.name) or _derived_spec(f.default))
         default_text = f.default if f.default is not dataclasses.MISSING else None
         spec["help"] = f"{spec.get('help', f.name)} (default: {default_text})"

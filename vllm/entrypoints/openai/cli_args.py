@@ -7,7 +7,8 @@ import argparse
 import json
 
 from vllm import envs
-from vllm.engine.cli_args import add_engine_cli_args, resolve_model_tag
+from vllm.engine.arg_utils import EngineArgs
+from vllm.engine.cli_args import resolve_model_tag
 
 UVICORN_LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")
 
@@ -121,7 +122,7 @@ def make_arg_parser(
         action="store_true",
         help="Disable /docs, /redoc and /openapi.json.",
     )
-    add_engine_cli_args(parser, positional_model=positional_model)
+    EngineArgs.add_cli_args(parser, positional_model=positional_model)
     return parser
 
 
@@ -129,8 +130,6 @@ def validate_parsed_serve_args(args: argparse.Namespace) -> None:
     """Post-parse fixes and checks (raises ValueError with a message for the user)."""
     resolve_model_tag(args)
     if args.model is None:
-        from vllm.engine.arg_utils import EngineArgs
-
         args.model = EngineArgs.model
     if args.api_key is None:
         args.api_key = envs.VLLM_API_KEY
