@@ -1,5 +1,5 @@
 """Test-only shim: makes transformers' Mllama follow Meta's reference in the two places where
-transformers >= 4.56 differs (see DESIGN.md, "Model semantics"):
+transformers >= 4.56 differs (docs/architecture.md, "Model semantics"):
 
 1. the vision encoder's intermediate features are the *inputs* of the listed layers;
 2. text tokens that see no image get their cross-attention output zeroed too (not only the MLP).

@@ -186,5 +186,5 @@ def test_text_before_image_equals_text_only_prefix(ours: Ours) -> None:
     prefix = ours.processor.build(processed.prompt_token_ids[:first_image], None)
     (text_only,) = ours.logits([prefix])
     # Not bitwise: the two steps' GEMMs have different row counts, and some CPU BLAS builds
-    # block (and so sum) differently by row count (DESIGN.md's equality contract).
+    # block (and so sum) differently by row count (docs/architecture.md's equality contract).
     torch.testing.assert_close(with_image[:first_image], text_only, atol=1e-5, rtol=1e-5)

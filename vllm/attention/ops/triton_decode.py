@@ -3,7 +3,7 @@
 One query token per sequence reads its K/V through a page table (self-attention: the
 sequence's pages and ``seq_lens``; cross-attention: the encoder pages and ``encoder_seq_lens``).
 
-Why this shape (see DESIGN.md, "CUDA graphs: the contract"):
+Why this shape (docs/architecture.md, "The CUDA-graph contract"):
 
 * The launch depends only on static configuration and the batch size: the grid is
   ``(num_segments, num_kv_heads, batch)`` for the segment kernel and ``(batch, num_heads)`` for
