@@ -17,7 +17,7 @@ import triton.language as tl
 def _rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, gate_ptr, mask_ptr, n_cols, x_stride,
                      res_stride, out_stride, mask_stride, eps, HAS_RESIDUAL: tl.constexpr,
                      HAS_GATE: tl.constexpr, BLOCK: tl.constexpr):
-    row = tl.program_id(0)
+    row = tl.program_id(0).to(tl.int64)  # row * stride can pass 2^31 (long prefills)
     cols = tl.arange(0, BLOCK)
     mask = cols < n_cols
     x = tl.load(x_ptr + row * x_stride + cols, mask=mask, other=0.0)
@@ -61,7 +61,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
 @triton.jit
 def _gate_rows_kernel(x_ptr, gate_ptr, mask_ptr, out_ptr, n_cols, x_stride, out_stride,
                       mask_stride, BLOCK: tl.constexpr):
-    row = tl.program_id(0)
+    row = tl.program_id(0).to(tl.int64)  # row * stride can pass 2^31 (long prefills)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     m = cols < n_cols
     x = tl.load(x_ptr + row * x_stride + cols, mask=m, other=0.0)
@@ -84,7 +84,7 @@ def gate_rows(x: torch.Tensor, gate: torch.Tensor, row_mask: torch.Tensor) -> to
 
 @triton.jit
 def _silu_and_mul_kernel(x_ptr, out_ptr, d, x_stride, out_stride, BLOCK: tl.constexpr):
-    row = tl.program_id(0)
+    row = tl.program_id(0).to(tl.int64)  # row * stride can pass 2^31 (long prefills)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < d
     g = tl.load(x_ptr + row * x_stride + cols, mask=mask, other=0.0).to(tl.float32)
@@ -139,7 +139,7 @@ def _rope_cos_sin(pos_ptr, tok, cos_ptr, sin_ptr, cache_stride, HALF: tl.constex
 def _rope_kernel(q_ptr, k_ptr, pos_ptr, cos_ptr, sin_ptr, q_stride, k_stride, cache_stride,
                  num_q_heads, num_k_heads, HALF: tl.constexpr, HEAD_DIM: tl.constexpr,
                  BLOCK_H: tl.constexpr):
-    tok = tl.program_id(0)
+    tok = tl.program_id(0).to(tl.int64)  # tok * stride can pass 2^31 (long prefills)
     cos, sin = _rope_cos_sin(pos_ptr, tok, cos_ptr, sin_ptr, cache_stride, HALF)
     _rope_heads(q_ptr + tok * q_stride, num_q_heads, cos, sin, HALF, HEAD_DIM, BLOCK_H)
     _rope_heads(k_ptr + tok * k_stride, num_k_heads, cos, sin, HALF, HEAD_DIM, BLOCK_H)
@@ -186,7 +186,7 @@ def _add_layer_norm_kernel(x_ptr, d_ptr, g_ptr, w_ptr, b_ptr, sum_ptr, out_ptr, 
                            x_stride, d_stride, s_stride, o_stride, eps,
                            HAS_DELTA: tl.constexpr, HAS_GATE: tl.constexpr,
                            BLOCK: tl.constexpr):
-    row = tl.program_id(0)
+    row = tl.program_id(0).to(tl.int64)  # row * stride can pass 2^31 (long prefills)
     cols = tl.arange(0, BLOCK)
     m = cols < n_cols
     x = tl.load(x_ptr + row * x_stride + cols, mask=m, other=0.0)

@@ -54,7 +54,7 @@ def _skinny_gemm_kernel(x_ptr, w_ptr, y_ptr, M, N, x_stride, w_stride, y_stride,
     ks = tl.arange(0, BLOCK_K)
     row_ok = rows < M
     col_ok = cols < N
-    x_ptrs = x_ptr + rows[:, None] * x_stride + ks[None, :]
+    x_ptrs = x_ptr + rows[:, None].to(tl.int64) * x_stride + ks[None, :]
     w_ptrs = w_ptr + cols[:, None].to(tl.int64) * w_stride + ks[None, :]
     u_ptrs = w_ptrs + N * w_stride
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
