@@ -17,6 +17,7 @@ from vllm.core.block_manager import BlockManager
 from vllm.core.scheduler import Scheduler, SchedulerOutput
 from vllm.core.sequence import Request
 from vllm.engine.arg_utils import EngineArgs
+from vllm.engine.errors import DeviceError, device_error, is_device_error
 from vllm.engine.output_processor import OutputProcessor
 from vllm.engine.warmup import warm_up
 from vllm.logger import init_logger
@@ -176,7 +177,20 @@ class LLMEngine:
         With async scheduling a decode step is launched while the previous step's results are
         still in flight (when no admission or preemption decision needs them), and the
         previous step is processed while the new one runs; outputs lag one step.
+
+        Raises :class:`~vllm.engine.errors.DeviceError` when the GPU failed: that is never
+        pinned on a request, and no further step can run in this process.
         """
+        try:
+            return self._step()
+        except DeviceError:
+            raise
+        except Exception as e:
+            if is_device_error(e):
+                raise device_error(e) from e
+            raise
+
+    def _step(self) -> list[RequestOutput]:
         outputs: list[RequestOutput] = []
         out = self._schedule(outputs)
         if out is not None and out.is_prefill and out.sliced and self.runner.prefill_job is None:
@@ -280,6 +294,8 @@ class LLMEngine:
         return []
 
     def _fail_request(self, request: Request, error: Exception) -> list[RequestOutput]:
+        if is_device_error(error):
+            raise device_error(error) from error
         logger.error("Request %s failed in a step: %r", request.request_id, error)
         request.error = error
         output = self.output_processor.fail(request)
@@ -290,7 +306,10 @@ class LLMEngine:
         """A step failed. Requests whose own inputs make sampling fail are failed alone;
         the rest of a failed prefill is preempted (recomputed later), the rest of a failed
         decode simply runs again (the same positions are recomputed). Anything that cannot
-        be pinned on a request is an engine failure and is re-raised."""
+        be pinned on a request is an engine failure and is re-raised, and so is a failed
+        device, whatever else a request's own sampling inputs would raise now."""
+        if is_device_error(error):
+            raise device_error(error) from error
         seqs = out.prefill_seqs if out.is_prefill else out.decode_seqs
         requests = list({id(s.request): s.request for s in seqs}.values())
         guilty = []

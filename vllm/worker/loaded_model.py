@@ -10,6 +10,8 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 
+import torch
+
 from vllm.attention.layer import Attention, CrossAttention
 from vllm.attention.selector import get_attn_backend
 from vllm.config import VllmConfig
@@ -17,6 +19,7 @@ from vllm.model_executor.layers.kernel_target import KernelTarget, kernel_target
 from vllm.model_executor.model_loader.loader import get_model
 from vllm.model_executor.models.mllama import MllamaForConditionalGeneration
 from vllm.worker.cache_engine import PageLayout
+from vllm.worker.memory import check_device_memory
 from vllm.worker.vision_graph import VisionGraphRunner, capture_vision_graphs
 
 
@@ -38,6 +41,8 @@ def load_model(config: VllmConfig) -> LoadedModel:
     t0 = time.perf_counter()
     mc = config.model_config
     device = config.device_config.device
+    if device.type == "cuda":
+        check_device_memory(config, torch.cuda.get_device_properties(device).total_memory)
     model = get_model(
         mc.spec,
         mc.model_path,

@@ -9,6 +9,7 @@ CPU: the pool holds what the scheduler can ever use, capped by ``cpu_kv_cache_sp
 from __future__ import annotations
 
 import dataclasses
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -19,8 +20,10 @@ from vllm.model_executor.models.mllama import MllamaForConditionalGeneration
 from vllm.multimodal.cross_attention import image_runs, last_group
 from vllm.multimodal.processing import ImageInputs, ProcessedInputs
 from vllm.worker.cache_engine import PageLayout
-from vllm.worker.loaded_model import LoadedModel
 from vllm.worker.prefill_inputs import PrefillItem, build_prefill_batch, step_images
+
+if TYPE_CHECKING:  # loaded_model calls check_device_memory before it loads
+    from vllm.worker.loaded_model import LoadedModel
 
 logger = init_logger(__name__)
 GiB = 1 << 30
@@ -93,6 +96,54 @@ def profile_prefill_peak(cfg: VllmConfig, loaded: LoadedModel) -> int:
     del logits
     torch.cuda.empty_cache()
     return peak
+
+
+def weight_bytes(config: VllmConfig) -> int:
+    """Bytes of the model's parameters and buffers in its dtype (built on the meta device:
+    nothing is allocated)."""
+    mc = config.model_config
+    with torch.device("meta"):
+        model = MllamaForConditionalGeneration(mc.spec, max_position=mc.max_model_len)
+    elem = torch.empty((), dtype=mc.dtype).element_size()
+    total = sum(p.numel() * elem for p in model.parameters())
+    return total + sum(b.numel() * b.element_size() for b in model.buffers())
+
+
+def prefill_activation_estimate(config: VllmConfig) -> int:
+    """An upper estimate of the worst-case prefill step's activations: at the MLP of a text
+    layer the residual, the normed input, the gate|up output and its activation are live, for
+    every token of the step (the logits are computed for the sampled rows only)."""
+    t = config.model_config.spec.text
+    sc = config.scheduler_config
+    tokens = min(sc.max_num_batched_tokens, sc.max_num_seqs * config.model_config.max_model_len)
+    elem = torch.empty((), dtype=config.model_config.dtype).element_size()
+    return tokens * (3 * t.intermediate_size + 4 * t.hidden_size) * elem
+
+
+def check_device_memory(config: VllmConfig, total_bytes: int) -> None:
+    """Refuses, before anything is allocated, a configuration whose weights and worst-case
+    prefill cannot fit in ``gpu_memory_utilization`` of ``total_bytes`` (raises ValueError
+    naming the flags), instead of failing inside the load or the memory profile."""
+    mc, sc = config.model_config, config.scheduler_config
+    util = config.cache_config.gpu_memory_utilization
+    budget = int(total_bytes * util)
+    weights = weight_bytes(config)
+    dtype = str(mc.dtype).replace("torch.", "")
+    if weights > budget:
+        raise ValueError(
+            f"The weights alone need {weights / GiB:.1f} GiB in {dtype}, more than the "
+            f"{budget / GiB:.1f} GiB that --gpu-memory-utilization {util} allows on this GPU "
+            f"({total_bytes / GiB:.1f} GiB): this model does not fit on one GPU in {dtype} "
+            "(quantized weights and tensor parallelism are not supported yet).")
+    activations = prefill_activation_estimate(config)
+    if weights + activations > budget:
+        raise ValueError(
+            f"The weights ({weights / GiB:.1f} GiB) and the largest prefill step "
+            f"(max_num_batched_tokens {sc.max_num_batched_tokens}: about "
+            f"{activations / GiB:.1f} GiB of activations) need more than the "
+            f"{budget / GiB:.1f} GiB that --gpu-memory-utilization {util} allows on this GPU; "
+            "lower --max-num-batched-tokens (prompts are prefilled whole, so also "
+            "--max-model-len) or raise --gpu-memory-utilization.")
 
 
 def decode_graph_reserve(config: VllmConfig) -> int:
