@@ -9,7 +9,10 @@ more than 10% slower. The number of segments stays at the default (the workspace
 ``--combine`` searches the combine kernel's knobs (segments per block, warps, stages) instead of
 the segment kernel's.
 
-    python benchmarks/kernels/tune_decode.py [--combine] [--json PATH] [--bs1-slack-us 60]
+    python -m benchmarks.kernels decode-tune [--combine] [--json PATH] [--bs1-slack-us 60]
+
+A candidate is measured in the engine by making it the default in
+``vllm/attention/ops/triton_decode.py`` and running ``python -m benchmarks.engine report``.
 """
 
 from __future__ import annotations
@@ -20,8 +23,9 @@ import itertools
 import json
 
 import torch
-from benchmark_attention import CROSS_LEN, CROSS_PAGE, SELF_PAGE, bench_decode, copy_bandwidth_gb_s
 
+from benchmarks.common import copy_bandwidth_gb_s
+from benchmarks.kernels.attention import CROSS_LEN, CROSS_PAGE, SELF_PAGE, bench_decode
 from vllm.attention.ops.triton_decode import DEFAULT_DECODE_CONFIG, DecodeConfig
 
 POINTS = {  # name: (kind, batch, kv_len, page)
@@ -40,8 +44,9 @@ def candidates(combine: bool = False) -> list[DecodeConfig]:
     out = [base]
     if combine:
         for sb, w, st in itertools.product((4, 8, 16, 32, 64), (1, 2, 4), (2,)):
-            cfg = dataclasses.replace(base, combine_segments=sb, combine_num_warps=w,
-                                      combine_num_stages=st)
+            cfg = dataclasses.replace(
+                base, combine_segments=sb, combine_num_warps=w, combine_num_stages=st
+            )
             if cfg != base:
                 out.append(cfg)
         return out
@@ -61,42 +66,57 @@ def step_us(t: dict[str, float]) -> tuple[float, float]:
     return (32 * t["self_64x512"] + 8 * t["cross_32"], 32 * t["self_1x512"] + 8 * t["cross_1"])
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def measure(cfg: DecodeConfig, copy_gb_s: float) -> dict | None:
+    """Every point at ``cfg`` (None when the compiler rejects the config)."""
+    try:
+        t = {name: bench_decode(*p[:3], p[3], cfg, copy_gb_s).time_us for name, p in POINTS.items()}
+    except Exception as exc:  # a config the compiler rejects (resources): skip it
+        print(f"skip {cfg}: {type(exc).__name__}: {exc}")
+        return None
+    mixed, bs1 = step_us(t)
+    print(
+        f"bn={cfg.block_n:3d} mc={cfg.min_chunk:3d} w={cfg.num_warps} st={cfg.num_stages}"
+        f" cb={cfg.combine_segments} cw={cfg.combine_num_warps} cs={cfg.combine_num_stages}"
+        f"  mixed64 {mixed:7.0f} us  bs1 {bs1:6.0f} us  "
+        + " ".join(f"{k}={v:.1f}" for k, v in t.items()),
+        flush=True,
+    )
+    return {"config": dataclasses.asdict(cfg), "us": t, "mixed64_us": mixed, "bs1_image_us": bs1}
+
+
+def main(argv: list[str] | None = None, prog: str | None = None) -> None:
+    ap = argparse.ArgumentParser(prog=prog, description=__doc__.splitlines()[0])
     ap.add_argument("--json", default=None)
     ap.add_argument("--bs1-slack-us", type=float, default=60.0)
     ap.add_argument("--combine", action="store_true", help="search the combine kernel's knobs")
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
+    if not torch.cuda.is_available():
+        raise SystemExit("the decode tuning needs a CUDA device")
     torch.manual_seed(0)
     copy_gb_s = copy_bandwidth_gb_s()
-    results = []
-    for cfg in candidates(args.combine):
-        try:
-            t = {name: bench_decode(*p[:3], p[3], cfg, copy_gb_s).time_us
-                 for name, p in POINTS.items()}
-        except Exception as exc:  # a config the compiler rejects (resources): skip it
-            print(f"skip {cfg}: {type(exc).__name__}: {exc}")
-            continue
-        mixed, bs1 = step_us(t)
-        results.append({"config": dataclasses.asdict(cfg), "us": t, "mixed64_us": mixed,
-                        "bs1_image_us": bs1})
-        print(f"bn={cfg.block_n:3d} mc={cfg.min_chunk:3d} w={cfg.num_warps} st={cfg.num_stages}"
-              f" cb={cfg.combine_segments} cw={cfg.combine_num_warps} cs={cfg.combine_num_stages}"
-              f"  mixed64 {mixed:7.0f} us  bs1 {bs1:6.0f} us  "
-              + " ".join(f"{k}={v:.1f}" for k, v in t.items()), flush=True)
+    results = [r for r in (measure(c, copy_gb_s) for c in candidates(args.combine)) if r]
     base = results[0]
-    ok = [r for r in results
-          if r["bs1_image_us"] <= base["bs1_image_us"] + args.bs1_slack_us
-          and all(r["us"][k] <= 1.1 * base["us"][k] for k in POINTS if k != "self_64x512")]
+    ok = [
+        r
+        for r in results
+        if r["bs1_image_us"] <= base["bs1_image_us"] + args.bs1_slack_us
+        and all(r["us"][k] <= 1.1 * base["us"][k] for k in POINTS if k != "self_64x512")
+    ]
     best = min(ok, key=lambda r: r["mixed64_us"])
     print("BEST " + json.dumps(best["config"], separators=(",", ":")))
-    print(f"mixed64 attention {base['mixed64_us']:.0f} -> {best['mixed64_us']:.0f} us per step;"
-          f" bs1 image {base['bs1_image_us']:.0f} -> {best['bs1_image_us']:.0f} us")
+    print(
+        f"mixed64 attention {base['mixed64_us']:.0f} -> {best['mixed64_us']:.0f} us per step;"
+        f" bs1 image {base['bs1_image_us']:.0f} -> {best['bs1_image_us']:.0f} us"
+    )
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"device": torch.cuda.get_device_name(), "copy_gb_s": copy_gb_s,
-                       "results": results, "best": best}, f, indent=1)
-
-
-if __name__ == "__main__":
-    main()
+            json.dump(
+                {
+                    "device": torch.cuda.get_device_name(),
+                    "copy_gb_s": copy_gb_s,
+                    "results": results,
+                    "best": best,
+                },
+                f,
+                indent=1,
+            )

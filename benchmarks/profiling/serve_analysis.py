@@ -1,8 +1,9 @@
-"""Lines a serving benchmark result (``--save-detailed``) up with a ``trace_serve.py`` trace:
-ITL percentiles, step-time percentiles, JIT compiles during the load, and for each burst of
-ITLs above a threshold the engine steps it spanned.
+"""Lines a serving benchmark result (``--save-detailed``) up with a step trace
+(``python -m benchmarks.profiling serve``): ITL percentiles, step-time percentiles, JIT
+compiles during the load, and for each burst of ITLs above a threshold the engine steps it
+spanned.
 
-Usage: ``python benchmarks/analyze_serve_trace.py RESULT.json [TRACE.json] [--threshold-ms 20]
+Usage: ``python -m benchmarks.profiling analyze RESULT.json [TRACE.json] [--threshold-ms 20]
 [--by-length]`` (``--by-length``: stalls around each request's prefill, split by whether its
 prompt length is new in the run; needs no trace).
 Step flags: E = an image encoding was pending before the step, P / p = a spread prefill was in
@@ -24,8 +25,9 @@ import numpy as np
 def chunk_times(result: dict) -> list[tuple[float, float, int]]:
     """(arrival time, ITL ms, request) of every output chunk after the first."""
     out = []
-    for r, (sent, ttft, itls) in enumerate(zip(result["send_times"], result["ttfts"],
-                                               result["itls"], strict=True)):
+    for r, (sent, ttft, itls) in enumerate(
+        zip(result["send_times"], result["ttfts"], result["itls"], strict=True)
+    ):
         t = sent + ttft
         for gap in itls:
             t += gap
@@ -33,8 +35,9 @@ def chunk_times(result: dict) -> list[tuple[float, float, int]]:
     return out
 
 
-def bursts(chunks: list[tuple[float, float, int]], threshold_ms: float,
-           window_s: float = 0.004) -> list[list[tuple[float, float, int]]]:
+def bursts(
+    chunks: list[tuple[float, float, int]], threshold_ms: float, window_s: float = 0.004
+) -> list[list[tuple[float, float, int]]]:
     """ITLs above the threshold, grouped when they end within ``window_s`` of each other."""
     groups: list[list[tuple[float, float, int]]] = []
     for c in sorted((c for c in chunks if c[1] > threshold_ms), key=lambda c: c[0]):
@@ -72,19 +75,23 @@ def report(result: dict, trace: dict, threshold_ms: float = 20.0) -> list[str]:
     if len(during):
         ms = (during[:, 1] - during[:, 0]) * 1e3
         p50, p99s, top = np.percentile(ms, [50, 99, 100])
-        lines.append(f"steps during the load {len(ms)}: p50 {p50:.2f} p99 {p99s:.2f} "
-                     f"max {top:.2f} ms")
+        lines.append(
+            f"steps during the load {len(ms)}: p50 {p50:.2f} p99 {p99s:.2f} max {top:.2f} ms"
+        )
     jit = [e for e in trace["events"] if e[0] == "jit" and e[1] > start]
     lines.append(f"JIT compiles during the load: {len(jit)}")
     lines += [f"  +{e[1] - start:.3f} s {(e[2] - e[1]) * 1e3:.1f} ms {e[3][:100]}" for e in jit]
-    slow = sorted((e for e in trace["events"] if e[0] == "slow" and e[1] > start),
-                  key=lambda e: e[1] - e[2])
+    slow = sorted(
+        (e for e in trace["events"] if e[0] == "slow" and e[1] > start), key=lambda e: e[1] - e[2]
+    )
     if slow:
         total = sum(e[2] - e[1] for e in slow) * 1e3
-        lines.append(f"host calls over 1 ms during the load: {len(slow)} ({total:.1f} ms), "
-                     "longest:")
-        lines += [f"  +{e[1] - start:.3f} s {(e[2] - e[1]) * 1e3:.1f} ms {e[3][:120]}"
-                  for e in slow[:8]]
+        lines.append(
+            f"host calls over 1 ms during the load: {len(slow)} ({total:.1f} ms), longest:"
+        )
+        lines += [
+            f"  +{e[1] - start:.3f} s {(e[2] - e[1]) * 1e3:.1f} ms {e[3][:120]}" for e in slow[:8]
+        ]
     groups = bursts(chunks, threshold_ms)
     lines.append(f"{sum(map(len, groups))} ITLs > {threshold_ms:g} ms in {len(groups)} bursts")
     for g in groups:
@@ -93,14 +100,16 @@ def report(result: dict, trace: dict, threshold_ms: float = 20.0) -> list[str]:
         desc = " ".join(_step(row) for row in near)
         inside = [e for e in slow if end - gap - 0.002 < e[1] < end]
         if inside:
-            desc += f" | slow calls {sum(e[2] - e[1] for e in inside) * 1e3:.1f} ms: " + \
-                ", ".join(e[3].split(" ")[0] for e in inside[:3])
+            desc += f" | slow calls {sum(e[2] - e[1] for e in inside) * 1e3:.1f} ms: " + ", ".join(
+                e[3].split(" ")[0] for e in inside[:3]
+            )
         lines.append(f"  +{end - start:.3f} s: {len(g)} ITLs up to {gap * 1e3:.1f} ms | {desc}")
     return lines
 
 
-def by_length(result: dict, threshold_ms: float = 20.0,
-              window_s: tuple[float, float] = (0.070, 0.030)) -> list[str]:
+def by_length(
+    result: dict, threshold_ms: float = 20.0, window_s: tuple[float, float] = (0.070, 0.030)
+) -> list[str]:
     """Whether a request's prefill comes with a stall, split by whether its (prompt length,
     image count) is the first of its kind in the run: for each request, the longest ITL
     (any stream) ending ``window_s[0]``..``window_s[1]`` before its first token, the span of
@@ -108,9 +117,16 @@ def by_length(result: dict, threshold_ms: float = 20.0,
     chunks = chunk_times(result)
     ends = np.array([c[0] for c in chunks])
     gaps = np.array([c[1] for c in chunks])
-    firsts = sorted((sent + ttft, n, k) for sent, ttft, n, k in zip(
-        result["send_times"], result["ttfts"], result["input_lens"], result["num_images"],
-        strict=True))
+    firsts = sorted(
+        (sent + ttft, n, k)
+        for sent, ttft, n, k in zip(
+            result["send_times"],
+            result["ttfts"],
+            result["input_lens"],
+            result["num_images"],
+            strict=True,
+        )
+    )
     seen: set[tuple[int, int]] = set()
     groups: dict[str, list[float]] = {"first of its length": [], "repeated length": []}
     for t, n, k in firsts:
@@ -118,25 +134,32 @@ def by_length(result: dict, threshold_ms: float = 20.0,
         worst = float(gaps[near].max()) if near.any() else 0.0
         groups["repeated length" if (n, k) in seen else "first of its length"].append(worst)
         seen.add((n, k))
-    lines = [f"requests by prompt length ({len(seen)} distinct (length, images) of "
-             f"{len(firsts)}): longest ITL {window_s[0] * 1e3:.0f}-{window_s[1] * 1e3:.0f} ms "
-             "before the first token"]
+    lines = [
+        f"requests by prompt length ({len(seen)} distinct (length, images) of "
+        f"{len(firsts)}): longest ITL {window_s[0] * 1e3:.0f}-{window_s[1] * 1e3:.0f} ms "
+        "before the first token"
+    ]
     for name, worst in groups.items():
         if worst:
             over = sum(w > threshold_ms for w in worst)
-            lines.append(f"  {name}: {len(worst)} requests, {over} above {threshold_ms:g} ms, "
-                         f"median {np.median(worst):.1f} ms")
+            lines.append(
+                f"  {name}: {len(worst)} requests, {over} above {threshold_ms:g} ms, "
+                f"median {np.median(worst):.1f} ms"
+            )
     return lines
 
 
-def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def main(argv: list[str] | None = None, prog: str | None = None) -> None:
+    p = argparse.ArgumentParser(prog=prog, description=__doc__.splitlines()[0])
     p.add_argument("result")
-    p.add_argument("trace", nargs="?", help="trace_serve.py output (omit with --by-length)")
+    p.add_argument("trace", nargs="?", help="the step trace (omit with --by-length)")
     p.add_argument("--threshold-ms", type=float, default=20.0)
-    p.add_argument("--by-length", action="store_true",
-                   help="also split requests by first-seen vs repeated prompt length")
-    a = p.parse_args()
+    p.add_argument(
+        "--by-length",
+        action="store_true",
+        help="also split requests by first-seen vs repeated prompt length",
+    )
+    a = p.parse_args(argv)
     if a.trace is None and not a.by_length:
         p.error("give a trace, or --by-length")
     with open(a.result) as f:
@@ -148,7 +171,3 @@ def main() -> None:
     if a.by_length:
         lines += by_length(result, a.threshold_ms)
     print("\n".join(lines))
-
-
-if __name__ == "__main__":
-    main()

@@ -3,14 +3,16 @@ the two-kernel Triton reduction (CUDA), at several tile sizes. Times are per cal
 graph of 20 calls (what a decode graph pays), median of 20 replays; every variant is checked
 against torch.argmax.
 
-    python benchmarks/kernels/benchmark_argmax.py
+    python -m benchmarks.kernels argmax
 """
 
 from __future__ import annotations
 
-import torch
-from benchmark_attention import time_graph_us
+import argparse
 
+import torch
+
+from benchmarks.common import time_graph_us
 from vllm.model_executor.layers.triton_argmax import argmax_rows
 
 VOCAB = 128256
@@ -21,7 +23,11 @@ def graph_us(fn) -> float:
     return time_graph_us([fn] * CALLS, replays=20)
 
 
-def main() -> None:
+def main(argv: list[str] | None = None, prog: str | None = None) -> None:
+    ap = argparse.ArgumentParser(prog=prog, description=__doc__.splitlines()[0])
+    ap.parse_args(argv)
+    if not torch.cuda.is_available():
+        raise SystemExit("the argmax benchmark needs a CUDA device")
     for batch in (1, 8, 64):
         x = torch.randn(batch, VOCAB, device="cuda")
         ref = x.argmax(dim=-1)
@@ -32,7 +38,3 @@ def main() -> None:
             us = graph_us(lambda x=x, o=out, b=block: argmax_rows(x, out=o, block=b))
             row.append(f"triton/{block} {us:6.1f} us")
         print(", ".join(row), flush=True)
-
-
-if __name__ == "__main__":
-    main()

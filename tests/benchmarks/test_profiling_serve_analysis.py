@@ -1,24 +1,15 @@
-"""``benchmarks/analyze_serve_trace.py`` on a hand-built result and step trace: chunk times are
-rebuilt from send time + TTFT + ITLs, one engine stall shows up as one burst spanning the slow
-step, and compiles during the load are listed."""
+"""``python -m benchmarks.profiling analyze`` on a hand-built result and step trace: chunk
+times are rebuilt from send time + TTFT + ITLs, one engine stall shows up as one burst spanning
+the slow step, and compiles during the load are listed."""
 
 from __future__ import annotations
 
-import importlib.util
+import json
 from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[2]
-
-
-@pytest.fixture(scope="module")
-def analyze():
-    spec = importlib.util.spec_from_file_location(
-        "analyze_serve_trace", ROOT / "benchmarks" / "analyze_serve_trace.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+from benchmarks.profiling import serve_analysis as analyze
 
 
 def _case():
@@ -36,7 +27,7 @@ def _case():
     return result, trace
 
 
-def test_one_stall_is_one_burst(analyze) -> None:
+def test_one_stall_is_one_burst() -> None:
     result, trace = _case()
     chunks = analyze.chunk_times(result)
     assert len(chunks) == 2 * (len(trace["steps"]) - 1)
@@ -50,7 +41,7 @@ def test_one_stall_is_one_burst(analyze) -> None:
     assert "60.0-P-" in burst  # the slow step, flagged as a spread-prefill step
 
 
-def test_launch_and_collect_columns(analyze) -> None:
+def test_launch_and_collect_columns() -> None:
     result, trace = _case()
     for row in trace["steps"]:  # the slow step spent 50 ms launching (a host stall)
         row += [0.05 if row[1] - row[0] > 0.05 else 0.001, 0.004]
@@ -58,7 +49,7 @@ def test_launch_and_collect_columns(analyze) -> None:
     assert "60.0-P-(r2 w0 L50.0 C4.0)" in burst
 
 
-def test_admitted_tokens_and_allocator_columns(analyze) -> None:
+def test_admitted_tokens_and_allocator_columns() -> None:
     result, trace = _case()
     for row in trace["steps"]:
         slow = row[1] - row[0] > 0.05
@@ -69,7 +60,7 @@ def test_admitted_tokens_and_allocator_columns(analyze) -> None:
     assert "0.0 A" not in burst and "M0" not in burst  # quiet steps show neither
 
 
-def test_by_length_splits_first_seen_from_repeated_lengths(analyze) -> None:
+def test_by_length_splits_first_seen_from_repeated_lengths() -> None:
     # One stream decoding every 10 ms from t=0 with a 60 ms stall ending at 0.50 s; three
     # other requests' first tokens: 0.55 s (new length, the stall 50 ms before it), 1.0 s
     # (the same length again) and 1.5 s (new length, no stall before it).
@@ -83,7 +74,7 @@ def test_by_length_splits_first_seen_from_repeated_lengths(analyze) -> None:
     assert "repeated length: 1 requests, 0 above 20 ms" in lines[2]
 
 
-def test_slow_host_calls_listed_and_tied_to_bursts(analyze) -> None:
+def test_slow_host_calls_listed_and_tied_to_bursts() -> None:
     result, trace = _case()
     trace["events"] += [["slow", 100.305, 100.34, "scaled_dot_product_attention (1, 32, 201)"],
                         ["slow", 99.0, 99.1, "linear before the load"]]
@@ -91,3 +82,15 @@ def test_slow_host_calls_listed_and_tied_to_bursts(analyze) -> None:
     assert "host calls over 1 ms during the load: 1 (35.0 ms), longest:" in lines
     burst = next(s for s in lines if "ITLs up to" in s)
     assert burst.endswith("| slow calls 35.0 ms: scaled_dot_product_attention")
+
+
+def test_command_line(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    result, trace = _case()
+    paths = [tmp_path / "result.json", tmp_path / "trace.json"]
+    for path, obj in zip(paths, (result, trace), strict=True):
+        path.write_text(json.dumps(obj))
+    analyze.main([str(p) for p in paths] + ["--threshold-ms", "20"])
+    out = capsys.readouterr().out
+    assert "2 ITLs > 20 ms in 1 bursts" in out and "JIT compiles during the load: 1" in out
+    with pytest.raises(SystemExit):  # neither a trace nor --by-length
+        analyze.main([str(paths[0])])

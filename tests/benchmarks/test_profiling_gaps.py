@@ -1,30 +1,21 @@
-"""The launch-gap analysis of ``benchmarks/trace_gaps.py`` on a hand-built chrome trace."""
+"""The launch-gap analysis of ``python -m benchmarks.profiling gaps`` on a hand-built chrome
+trace."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[2]
-
-
-@pytest.fixture(scope="module")
-def trace_gaps():
-    spec = importlib.util.spec_from_file_location("trace_gaps",
-                                                  ROOT / "benchmarks" / "trace_gaps.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+from benchmarks.profiling import gaps as trace_gaps
 
 
 def x(cat: str, name: str, ts: float, dur: float, **args) -> dict:
     return {"ph": "X", "cat": cat, "name": name, "ts": ts, "dur": dur, "args": args}
 
 
-def test_gaps_are_found_and_attributed(trace_gaps, tmp_path: Path) -> None:
+def test_gaps_are_found_and_attributed(tmp_path: Path) -> None:
     events = [
         x("python_function", "vllm/worker/model_runner.py(10): launch", 0, 400),
         x("python_function", "vllm/worker/model_runner.py(20): _prefill", 5, 390),
@@ -53,7 +44,7 @@ def test_gaps_are_found_and_attributed(trace_gaps, tmp_path: Path) -> None:
     assert top["frame"] == "vllm/worker/model_runner.py(20): _prefill"
 
 
-def test_kernel_tables_split_graph_and_eager(trace_gaps, tmp_path: Path) -> None:
+def test_kernel_tables_split_graph_and_eager(tmp_path: Path) -> None:
     events = [
         x("cuda_runtime", "cudaGraphLaunch", 0, 50, correlation=1),
         x("kernel", "attn", 60, 300, correlation=1),

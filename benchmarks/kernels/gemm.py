@@ -4,10 +4,13 @@ For each weight shape a decode step reads (fused QKV, O, fused gate/up, down, LM
 row count, times y = x @ W^T as CUDA-graph replays of back-to-back calls, each on the next of
 several weight copies (so no weight is served from L2), and reports the time, the fraction of
 copy bandwidth (weight + activation bytes), the kernels launched per call (cuBLAS adds split-K
-reduction kernels) and, for Triton, the best config of a sweep. Also measures the host time of
-launching a CUDA graph against its number of kernel nodes.
+reduction kernels) and, for Triton, the best config of a sweep. ``--silu``: the gate/up GEMM
+with SiLU-and-multiply, cuBLASLt + ``silu_and_mul`` against the Triton GEMM with the
+activation in its epilogue. (Kernels are counted with torch.profiler, which slows later graph
+launches of the process: the launch cost is ``python -m benchmarks.kernels launch``.)
 
-    python benchmarks/kernels/benchmark_gemm.py [--rows 1,16,32,64,128] [--no-sweep] [--json PATH]
+    python -m benchmarks.kernels gemm [--rows 1,16,32,64,128] [--shapes qkv,o_proj]
+        [--no-sweep] [--silu] [--json PATH]
 """
 
 from __future__ import annotations
@@ -17,12 +20,12 @@ import dataclasses
 import itertools
 import json
 import statistics
-import time
 from collections.abc import Callable
 
 import torch
 import triton
 
+from benchmarks.common import copy_bandwidth_gb_s
 from vllm.model_executor.layers.fused_kernels import silu_and_mul
 from vllm.model_executor.layers.skinny_gemm import (
     GemmConfig,
@@ -32,24 +35,20 @@ from vllm.model_executor.layers.skinny_gemm import (
 )
 
 SHAPES = {  # name: (N, K)
-    "qkv": (6144, 4096), "o_proj": (4096, 4096), "gate_up": (28672, 4096),
-    "down": (4096, 14336), "lm_head": (128256, 4096),
+    "qkv": (6144, 4096),
+    "o_proj": (4096, 4096),
+    "gate_up": (28672, 4096),
+    "down": (4096, 14336),
+    "lm_head": (128256, 4096),
 }
 L2_BYTES = 50 << 20
 CALLS = 24
 
 
-def copy_bandwidth_gb_s() -> float:
-    src = torch.randn(1 << 29, device="cuda")
-    dst = torch.empty_like(src)
-    ms = triton.testing.do_bench(lambda: dst.copy_(src), warmup=10, rep=200, return_mode="median")
-    return 2 * src.nbytes / (ms * 1e-3) / 1e9
-
-
 def time_calls(fn: Callable[[torch.Tensor], object], weights: list[torch.Tensor]) -> float:
     """Microseconds per call: CALLS calls cycling over ``weights``, captured and replayed."""
     seq = [weights[i % len(weights)] for i in range(CALLS)]
-    for w in seq[:len(weights)]:
+    for w in seq[: len(weights)]:
         fn(w)
     torch.cuda.synchronize()
     g = torch.cuda.CUDAGraph()
@@ -88,9 +87,12 @@ def sweep_configs(m: int) -> list[GemmConfig]:
     return out
 
 
-def fastest_config(configs: list[GemmConfig], k: int,
-                   run: Callable[[torch.Tensor, GemmConfig], object],
-                   weights: list[torch.Tensor]) -> tuple[float, GemmConfig] | None:
+def fastest_config(
+    configs: list[GemmConfig],
+    k: int,
+    run: Callable[[torch.Tensor, GemmConfig], object],
+    weights: list[torch.Tensor],
+) -> tuple[float, GemmConfig] | None:
     """(us, config) of the fastest config that divides K and launches, or None."""
     best: tuple[float, GemmConfig] | None = None
     for c in configs:
@@ -115,8 +117,7 @@ def _fmt(e: dict) -> str:
     return f"{e['us']:8.1f} us {e['pct_copy']:5.1f}%"
 
 
-def bench_row(x: torch.Tensor, weights: list[torch.Tensor], copy_gb_s: float,
-              sweep: bool) -> dict:
+def bench_row(x: torch.Tensor, weights: list[torch.Tensor], copy_gb_s: float, sweep: bool) -> dict:
     """All variants for one [M, K] input against the [N, K] weight copies."""
     m, k = x.shape
     n = weights[0].shape[0]
@@ -132,19 +133,20 @@ def bench_row(x: torch.Tensor, weights: list[torch.Tensor], copy_gb_s: float,
     cfg = default_config(m, n, k)
     err = (skinny_gemm(x, weights[0], cfg).float() - ref).abs().max().item()
     us = time_calls(lambda w: skinny_gemm(x, w, cfg), weights)
-    row["triton_default"] = _entry(us, nbytes, copy_gb_s, config=dataclasses.asdict(cfg),
-                                   max_abs_err=err)
+    row["triton_default"] = _entry(
+        us, nbytes, copy_gb_s, config=dataclasses.asdict(cfg), max_abs_err=err
+    )
     if not sweep:
         return row
     best = fastest_config(sweep_configs(m), k, lambda w, c: skinny_gemm(x, w, c), weights)
     if best is not None:
-        row["triton_best"] = _entry(best[0], nbytes, copy_gb_s,
-                                    config=dataclasses.asdict(best[1]))
+        row["triton_best"] = _entry(best[0], nbytes, copy_gb_s, config=dataclasses.asdict(best[1]))
     return row
 
 
-def bench_shape(name: str, n: int, k: int, rows: list[int], copy_gb_s: float, sweep: bool,
-                log: list[dict]) -> None:
+def bench_shape(
+    name: str, n: int, k: int, rows: list[int], copy_gb_s: float, sweep: bool, log: list[dict]
+) -> None:
     copies = max(1, -(-3 * L2_BYTES // (n * k * 2)))
     weights = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02 for _ in range(copies)]
     for m in rows:
@@ -152,11 +154,14 @@ def bench_shape(name: str, n: int, k: int, rows: list[int], copy_gb_s: float, sw
         row = {"shape": name, **bench_row(x, weights, copy_gb_s, sweep)}
         log.append(row)
         best = row.get("triton_best")
-        print(f"{name:8s} m={m:4d}  cublas {_fmt(row['cublas'])} ({row['cublas']['kernels']}k)"
-              f"  lt {_fmt(row['cublaslt'])} ({row['cublaslt']['kernels']}k)"
-              f"  triton {_fmt(row['triton_default'])}"
-              f"  best {_fmt(best) + ' ' + str(best['config']) if best else '-'}"
-              f"  err {row['triton_default']['max_abs_err']:.2e}", flush=True)
+        print(
+            f"{name:8s} m={m:4d}  cublas {_fmt(row['cublas'])} ({row['cublas']['kernels']}k)"
+            f"  lt {_fmt(row['cublaslt'])} ({row['cublaslt']['kernels']}k)"
+            f"  triton {_fmt(row['triton_default'])}"
+            f"  best {_fmt(best) + ' ' + str(best['config']) if best else '-'}"
+            f"  err {row['triton_default']['max_abs_err']:.2e}",
+            flush=True,
+        )
     del weights
     torch.cuda.empty_cache()
 
@@ -166,14 +171,18 @@ def bench_silu(rows: list[int], copy_gb_s: float, sweep: bool, log: list[dict]) 
     what decode ran before) against the Triton GEMM with the activation in its epilogue."""
     n2, k = SHAPES["gate_up"]
     copies = max(1, -(-3 * L2_BYTES // (n2 * k * 2)))
-    weights = [torch.randn(n2, k, device="cuda", dtype=torch.bfloat16) * 0.02
-               for _ in range(copies)]
+    weights = [
+        torch.randn(n2, k, device="cuda", dtype=torch.bfloat16) * 0.02 for _ in range(copies)
+    ]
     for m in rows:
         x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
         nbytes = n2 * k * 2 + (m * k + m * n2 // 2) * 2
         torch.backends.cuda.preferred_blas_library("cublaslt")
-        base = _entry(time_calls(lambda w, x=x: silu_and_mul(torch.nn.functional.linear(x, w)),
-                                 weights), nbytes, copy_gb_s)
+        base = _entry(
+            time_calls(lambda w, x=x: silu_and_mul(torch.nn.functional.linear(x, w)), weights),
+            nbytes,
+            copy_gb_s,
+        )
         ref = silu_and_mul(torch.nn.functional.linear(x, weights[0])).float()
         torch.backends.cuda.preferred_blas_library("cublas")
         row = {"shape": "gate_up+silu", "m": m, "cublaslt+silu_and_mul": base}
@@ -181,84 +190,61 @@ def bench_silu(rows: list[int], copy_gb_s: float, sweep: bool, log: list[dict]) 
         best = fastest_config(configs, k, lambda w, c, x=x: skinny_gemm_silu(x, w, c), weights)
         if best is not None:
             err = (skinny_gemm_silu(x, weights[0], best[1]).float() - ref).abs().max().item()
-            row["triton_silu_best"] = _entry(best[0], nbytes, copy_gb_s,
-                                             config=dataclasses.asdict(best[1]),
-                                             max_abs_err_vs_base=err)
+            row["triton_silu_best"] = _entry(
+                best[0],
+                nbytes,
+                copy_gb_s,
+                config=dataclasses.asdict(best[1]),
+                max_abs_err_vs_base=err,
+            )
         log.append(row)
         tb = row.get("triton_silu_best")
-        print(f"gate_up+silu m={m:4d}  lt+silu {_fmt(base)}  fused "
-              f"{_fmt(tb) + ' ' + str(tb['config']) if tb else '-'}", flush=True)
+        print(
+            f"gate_up+silu m={m:4d}  lt+silu {_fmt(base)}  fused "
+            f"{_fmt(tb) + ' ' + str(tb['config']) if tb else '-'}",
+            flush=True,
+        )
     del weights
     torch.cuda.empty_cache()
 
 
-def graph_launch_cost(log: list[dict]) -> None:
-    """Host microseconds of one CUDAGraph.replay() against the graph's number of kernel nodes."""
-    t = torch.zeros(256, device="cuda")
-    for nodes in (64, 128, 256, 512, 768):
-        g = torch.cuda.CUDAGraph()
-        torch.cuda.synchronize()
-        with torch.cuda.graph(g):
-            for _ in range(nodes):
-                t.add_(1.0)
-        g.replay()
-        torch.cuda.synchronize()
-        host, gpu = [], []
-        for _ in range(30):
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            t0 = time.perf_counter()
-            g.replay()
-            host.append((time.perf_counter() - t0) * 1e6)
-            end.record()
-            end.synchronize()
-            gpu.append(start.elapsed_time(end) * 1e3)
-        row = {"nodes": nodes, "host_us": round(statistics.median(host), 1),
-               "gpu_us": round(statistics.median(gpu), 1)}
-        log.append(row)
-        print(f"graph of {nodes:4d} tiny kernels: host launch {row['host_us']:7.1f} us,"
-              f" GPU {row['gpu_us']:7.1f} us", flush=True)
-
-
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def main(argv: list[str] | None = None, prog: str | None = None) -> None:
+    ap = argparse.ArgumentParser(prog=prog, description=__doc__.splitlines()[0])
     ap.add_argument("--rows", default="1,16,32,64,128")
     ap.add_argument("--shapes", default=",".join(SHAPES))
     ap.add_argument("--no-sweep", action="store_true")
     ap.add_argument("--json", default=None)
-    ap.add_argument("--launch-only", action="store_true",
-                    help="only the graph launch cost against the number of kernel nodes")
-    ap.add_argument("--silu", action="store_true",
-                    help="only the gate|up GEMM with and without the fused SiLU epilogue")
-    args = ap.parse_args()
+    ap.add_argument(
+        "--silu",
+        action="store_true",
+        help="only the gate|up GEMM with and without the fused SiLU epilogue",
+    )
+    args = ap.parse_args(argv)
+    if not torch.cuda.is_available():
+        raise SystemExit("the GEMM benchmark needs a CUDA device")
     rows = [int(r) for r in args.rows.split(",")]
-    launches: list[dict] = []
-    if not args.silu:
-        # First: once torch.profiler has run in a process (kernels_per_call below), its CUDA
-        # tracing stays attached and a graph launch costs ~0.2-0.5 us per node more.
-        graph_launch_cost(launches)
-    if args.launch_only:
-        if args.json:
-            with open(args.json, "w") as f:
-                json.dump({"gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
-                           "graph_launch": launches}, f, indent=1)
-        return
     copy_gb_s = copy_bandwidth_gb_s()
-    print(f"copy bandwidth {copy_gb_s:.0f} GB/s; torch {torch.__version__},"
-          f" triton {triton.__version__}")
+    print(
+        f"copy bandwidth {copy_gb_s:.0f} GB/s; torch {torch.__version__},"
+        f" triton {triton.__version__}"
+    )
     gemms: list[dict] = []
     if args.silu:
         bench_silu(rows, copy_gb_s, not args.no_sweep, gemms)
-        args.shapes = ""
-    for name in filter(None, args.shapes.split(",")):
-        n, k = SHAPES[name]
-        bench_shape(name, n, k, rows, copy_gb_s, not args.no_sweep, gemms)
+    else:
+        for name in filter(None, args.shapes.split(",")):
+            n, k = SHAPES[name]
+            bench_shape(name, n, k, rows, copy_gb_s, not args.no_sweep, gemms)
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
-                       "triton": triton.__version__, "copy_gb_s": copy_gb_s, "gemm": gemms,
-                       "graph_launch": launches}, f, indent=1)
-
-
-if __name__ == "__main__":
-    main()
+            json.dump(
+                {
+                    "gpu": torch.cuda.get_device_name(),
+                    "torch": torch.__version__,
+                    "triton": triton.__version__,
+                    "copy_gb_s": copy_gb_s,
+                    "gemm": gemms,
+                },
+                f,
+                indent=1,
+            )
