@@ -91,21 +91,6 @@ def make_prompt(llm: LLM, with_image: bool, n_tokens: int, seed: int) -> dict:
     return {"prompt_token_ids": [bos, bos] + body}
 
 
-def tiled_prompt(llm: LLM, rows: int, cols: int, n_tokens: int, seed: int) -> dict:
-    """``n_tokens`` prompt token ids after the image token, with one noise image of a
-    ``rows`` x ``cols`` tile canvas."""
-    spec = EngineView(llm).spec
-    bos = llm.get_tokenizer().bos_token_id
-    tile = spec.vision.image_size
-    rng = np.random.default_rng(seed)
-    pixels = rng.integers(0, 256, (rows * tile, cols * tile, 3), dtype=np.uint8)
-    body = [32 + (seed * 7 + i) % 20000 for i in range(n_tokens - 2)]
-    return {
-        "prompt_token_ids": [bos, spec.image_token_id] + body,
-        "multi_modal_data": {"image": Image.fromarray(pixels)},
-    }
-
-
 # ------------------------------------------------------------------------------ timing
 
 
@@ -131,25 +116,6 @@ def event_ms(fn: Callable[[], object], iters: int = 10) -> float:
     end.record()
     torch.cuda.synchronize()
     return start.elapsed_time(end) / iters
-
-
-def graph_ms(fn: Callable[[], object], calls: int = 20) -> float:
-    """Mean ms per call of ``fn`` replayed from one CUDA graph of ``calls`` calls: kernels
-    shorter than their launch cost are timed as the model's graphs run them."""
-    fn()  # compile / warm up outside the capture
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(calls):
-            fn()
-    graph.replay()
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    graph.replay()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) / calls
 
 
 def time_graph_us(calls: list[Callable[[], object]], replays: int = 10) -> float:
@@ -208,18 +174,6 @@ def copy_bandwidth_gb_s() -> float:
     dst = torch.empty_like(src)
     ms = triton.testing.do_bench(lambda: dst.copy_(src), warmup=10, rep=200, return_mode="median")
     return 2 * src.nbytes / (ms * 1e-3) / 1e9
-
-
-def summary_us(xs: list[float]) -> dict:
-    """n, mean, median, p90 and max of durations given in seconds, in microseconds."""
-    xs = sorted(xs)
-    return {
-        "n": len(xs),
-        "mean_us": statistics.fmean(xs) * 1e6,
-        "median_us": statistics.median(xs) * 1e6,
-        "p90_us": xs[int(0.9 * (len(xs) - 1))] * 1e6,
-        "max_us": xs[-1] * 1e6,
-    }
 
 
 # ------------------------------------------------------------------------------ engine internals

@@ -9,10 +9,30 @@ a CUDA graph: no step can be faster than this. The copy bandwidth is
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 
 import torch
 
-from benchmarks.common import decode_weights, event_ms, graph_ms, hf_weight_source, is_cross_layer
+from benchmarks.common import decode_weights, event_ms, hf_weight_source, is_cross_layer
+
+
+def graph_ms(fn: Callable[[], object], calls: int = 20) -> float:
+    """Mean ms per call of ``fn`` replayed from one CUDA graph of ``calls`` calls: kernels
+    shorter than their launch cost are timed as the model's graphs run them."""
+    fn()  # compile / warm up outside the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(calls):
+            fn()
+    graph.replay()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    graph.replay()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) / calls
 
 
 def gemv_floor(model, batch: int, with_cross: bool, iters: int = 20) -> dict:

@@ -27,6 +27,7 @@ PCT = [50, 90, 99]
 
 
 def parse_args(argv: list[str] | None, prog: str | None) -> argparse.Namespace:
+    """The command line (engine flags pass through; ``--smoke`` shrinks the run)."""
     ap = argparse.ArgumentParser(prog=prog, description=__doc__.splitlines()[0])
     ap.add_argument("--model", default="demo/mllama-11b")
     ap.add_argument("--load-format", default="auto")
@@ -129,6 +130,7 @@ def step_summary(steps: list[dict], t_begin: float) -> dict:
 
 
 def main(argv: list[str] | None = None, prog: str | None = None) -> None:
+    """Runs the closed loop; prints the result (``--out`` also writes it with the trace)."""
     args = parse_args(argv, prog)
     kw = {
         k: getattr(args, k)

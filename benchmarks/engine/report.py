@@ -213,6 +213,7 @@ def hf_anchor(llm: LLM) -> dict:
 
 
 def parse_args(argv: list[str] | None, prog: str | None) -> argparse.Namespace:
+    """The report's command line."""
     ap = argparse.ArgumentParser(prog=prog, description=__doc__.splitlines()[0])
     ap.add_argument("--out", default="benchmarks/results")
     ap.add_argument("--batches", default="1,8,32,64,128")
@@ -233,6 +234,7 @@ def parse_args(argv: list[str] | None, prog: str | None) -> argparse.Namespace:
 
 
 def main(argv: list[str] | None = None, prog: str | None = None) -> None:
+    """Runs the whole report; writes report.json and summary.json under ``--out``."""
     args = parse_args(argv, prog)
     if args.smoke:
         return smoke(args)

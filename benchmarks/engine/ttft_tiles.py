@@ -18,11 +18,27 @@ import time
 from pathlib import Path
 
 import numpy as np
+from PIL import Image
 
-from benchmarks.common import EngineView, dummy_11b, sync, tiled_prompt, tiny_llm
+from benchmarks.common import EngineView, dummy_11b, sync, tiny_llm
 from vllm import LLM, SamplingParams
 
 CANVASES = ((1, 1), (1, 2), (1, 3), (2, 2))  # (rows, columns) of tiles
+
+
+def tiled_prompt(llm: LLM, rows: int, cols: int, n_tokens: int, seed: int) -> dict:
+    """``n_tokens`` prompt token ids after the image token, with one noise image of a
+    ``rows`` x ``cols`` tile canvas."""
+    spec = EngineView(llm).spec
+    bos = llm.get_tokenizer().bos_token_id
+    tile = spec.vision.image_size
+    rng = np.random.default_rng(seed)
+    pixels = rng.integers(0, 256, (rows * tile, cols * tile, 3), dtype=np.uint8)
+    body = [32 + (seed * 7 + i) % 20000 for i in range(n_tokens - 2)]
+    return {
+        "prompt_token_ids": [bos, spec.image_token_id] + body,
+        "multi_modal_data": {"image": Image.fromarray(pixels)},
+    }
 
 
 def ttft_ms(llm: LLM, prompt: dict, iters: int) -> tuple[float, int]:
@@ -42,6 +58,7 @@ def ttft_ms(llm: LLM, prompt: dict, iters: int) -> tuple[float, int]:
 
 
 def main(argv: list[str] | None = None, prog: str | None = None) -> None:
+    """Times every canvas; prints the points (``--json`` also writes them)."""
     ap = argparse.ArgumentParser(prog=prog, description=__doc__.splitlines()[0])
     ap.add_argument("--iters", type=int, default=5)
     ap.add_argument("--text-tokens", type=int, default=128)

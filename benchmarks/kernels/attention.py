@@ -145,6 +145,8 @@ def bench_cross_prefill(t: int, scale: float) -> list[Row]:
 
 
 def format_table(rows: list[Row]) -> str:
+    """The rows as a fixed-width text table."""
+
     def f(x: float | None, spec: str) -> str:
         return "-" if x is None else format(x, spec)
 
@@ -186,6 +188,7 @@ def decode_config(args: argparse.Namespace) -> DecodeConfig:
 
 
 def main(argv: list[str] | None = None, prog: str | None = None) -> None:
+    """Runs the decode points (and the prefill unless ``--quick``); prints the table."""
     parser = argparse.ArgumentParser(prog=prog, description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="a few decode points only")
     parser.add_argument("--prefill-only", action="store_true", help="the prefill cases only")

@@ -40,6 +40,8 @@ POINTS = {  # name: (kind, batch, kv_len, page)
 
 
 def candidates(combine: bool = False) -> list[DecodeConfig]:
+    """The configs searched, the default first: the segment kernel's grid, or the combine kernel's
+    with ``combine``."""
     base = DEFAULT_DECODE_CONFIG
     out = [base]
     if combine:
@@ -85,6 +87,7 @@ def measure(cfg: DecodeConfig, copy_gb_s: float) -> dict | None:
 
 
 def main(argv: list[str] | None = None, prog: str | None = None) -> None:
+    """Times every candidate; prints the best one that keeps batch 1 within the slack."""
     ap = argparse.ArgumentParser(prog=prog, description=__doc__.splitlines()[0])
     ap.add_argument("--json", default=None)
     ap.add_argument("--bs1-slack-us", type=float, default=60.0)

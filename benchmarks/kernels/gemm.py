@@ -147,6 +147,7 @@ def bench_row(x: torch.Tensor, weights: list[torch.Tensor], copy_gb_s: float, sw
 def bench_shape(
     name: str, n: int, k: int, rows: list[int], copy_gb_s: float, sweep: bool, log: list[dict]
 ) -> None:
+    """Every row count of one weight shape: printed, and appended to ``log``."""
     copies = max(1, -(-3 * L2_BYTES // (n * k * 2)))
     weights = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02 for _ in range(copies)]
     for m in rows:
@@ -209,6 +210,7 @@ def bench_silu(rows: list[int], copy_gb_s: float, sweep: bool, log: list[dict]) 
 
 
 def main(argv: list[str] | None = None, prog: str | None = None) -> None:
+    """Runs the shapes (or ``--silu``); prints a line per point."""
     ap = argparse.ArgumentParser(prog=prog, description=__doc__.splitlines()[0])
     ap.add_argument("--rows", default="1,16,32,64,128")
     ap.add_argument("--shapes", default=",".join(SHAPES))

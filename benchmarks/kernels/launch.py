@@ -55,6 +55,7 @@ def profile_once() -> None:
 
 
 def main(argv: list[str] | None = None, prog: str | None = None) -> None:
+    """Prints host and GPU microseconds per graph size."""
     ap = argparse.ArgumentParser(prog=prog, description=__doc__.splitlines()[0])
     ap.add_argument(
         "--after-profiler", action="store_true", help="run one torch.profiler region first"

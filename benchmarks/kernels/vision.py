@@ -162,6 +162,7 @@ def bench_layer_pieces(rows: int = VISION_TOKENS) -> list[Row]:
 
 
 def main(argv: list[str] | None = None, prog: str | None = None) -> None:
+    """Runs the attention cases (and the layer pieces); prints the table."""
     parser = argparse.ArgumentParser(prog=prog, description=__doc__.splitlines()[0])
     parser.add_argument(
         "--padding-sweep",

@@ -203,6 +203,7 @@ def decode_calls(llm: LLM, image: bool, steps: int = 20) -> list[tuple[str, floa
 
 
 def print_report(report: dict) -> None:
+    """The findings, as text."""
     g = report["ttft_gaps"]
     print(
         f"TTFT {np.median(report['ttft_ms']):.2f} ms (traced {report['ttft_traced_ms']:.2f}); "
@@ -239,6 +240,7 @@ def print_report(report: dict) -> None:
 
 
 def main(argv: list[str] | None = None, prog: str | None = None) -> None:
+    """Runs the traces; writes gaps.json under ``--out`` and prints the findings."""
     ap = argparse.ArgumentParser(prog=prog, description=__doc__.splitlines()[0])
     ap.add_argument("--out", default="/tmp/gaps")
     args = ap.parse_args(argv)

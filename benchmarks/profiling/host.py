@@ -27,15 +27,28 @@ import gc
 import io
 import json
 import pstats
+import statistics
 import time
 from pathlib import Path
 
 import torch
 
-from benchmarks.common import EngineView, dummy_11b, make_prompt, summary_us, sync
+from benchmarks.common import EngineView, dummy_11b, make_prompt, sync
 from vllm import LLM, SamplingParams
 
 MODES = ("default", "frozen", "idle")
+
+
+def summary_us(xs: list[float]) -> dict:
+    """n, mean, median, p90 and max of durations given in seconds, in microseconds."""
+    xs = sorted(xs)
+    return {
+        "n": len(xs),
+        "mean_us": statistics.fmean(xs) * 1e6,
+        "median_us": statistics.median(xs) * 1e6,
+        "p90_us": xs[int(0.9 * (len(xs) - 1))] * 1e6,
+        "max_us": xs[-1] * 1e6,
+    }
 
 
 class StepTimer:
@@ -192,6 +205,7 @@ def direct_vs_replay(graph: torch.cuda.CUDAGraph, reps: int = 30) -> dict:
 
 
 def print_tables(report: dict) -> None:
+    """The per-run launch table and the replay tables, as markdown."""
     print(
         "\n| run | launch mean / median / p90 / max us | replay median | rest median "
         "| GCs (in launch, ms) | step us |"
@@ -222,6 +236,7 @@ def print_tables(report: dict) -> None:
 
 
 def main(argv: list[str] | None = None, prog: str | None = None) -> None:
+    """Runs every measurement; writes host_profile.json under ``--out``."""
     ap = argparse.ArgumentParser(prog=prog, description=__doc__.splitlines()[0])
     ap.add_argument("--out", default="/tmp/host")
     ap.add_argument("--steps", type=int, default=300)

@@ -84,6 +84,7 @@ def kernels_per_forward(llm: LLM) -> dict:
 
 
 def main(argv: list[str] | None = None, prog: str | None = None) -> None:
+    """Runs the profiles; writes the tables under ``--out`` and prints them."""
     ap = argparse.ArgumentParser(prog=prog, description=__doc__.splitlines()[0])
     ap.add_argument("--out", default="/tmp/profile")
     ap.add_argument(

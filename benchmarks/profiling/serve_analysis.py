@@ -64,6 +64,7 @@ def _step(row: np.ndarray) -> str:
 
 
 def report(result: dict, trace: dict, threshold_ms: float = 20.0) -> list[str]:
+    """The analysis of one serving result against its step trace, as lines."""
     rows = trace["steps"]
     steps = np.array(rows, dtype=float).reshape(len(rows), -1)
     start = min(result["send_times"])
@@ -150,6 +151,7 @@ def by_length(
 
 
 def main(argv: list[str] | None = None, prog: str | None = None) -> None:
+    """Reads the files named on the command line; prints the analysis."""
     p = argparse.ArgumentParser(prog=prog, description=__doc__.splitlines()[0])
     p.add_argument("result")
     p.add_argument("trace", nargs="?", help="the step trace (omit with --by-length)")

@@ -166,6 +166,7 @@ def install_step_trace() -> None:
 
 
 def main(argv: list[str] | None = None, prog: str | None = None) -> None:
+    """Installs the hooks, then runs ``vllm serve`` with the remaining arguments."""
     if argv and argv[0] in ("-h", "--help"):
         print(__doc__)
         return
