@@ -364,6 +364,11 @@ def decode_weights(model: torch.nn.Module, with_cross: bool) -> list[torch.Tenso
     return mats
 
 
+def cross_kv_projections(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """The K/V projections of the vision tokens, one per cross-attention layer."""
+    return [m.cross_attn.kv_proj for m in model.language_model.model.layers if is_cross_layer(m)]
+
+
 def is_cross_layer(layer: torch.nn.Module) -> bool:
     """Whether a text decoder layer is a cross-attention layer."""
     from vllm.model_executor.models.mllama import MllamaCrossAttentionDecoderLayer

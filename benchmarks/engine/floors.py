@@ -13,7 +13,7 @@ from collections.abc import Callable
 
 import torch
 
-from benchmarks.common import decode_weights, event_ms, hf_weight_source, is_cross_layer
+from benchmarks.common import cross_kv_projections, decode_weights, event_ms, hf_weight_source
 
 
 def graph_ms(fn: Callable[[], object], calls: int = 20) -> float:
@@ -134,9 +134,9 @@ def ttft_floor(model, copy_tb_s: float, num_tiles: int = 4) -> dict:
         lin += event_ms(lambda inp=inp, w=w, b=b: F.linear(inp, w, b))
     feats = rand(valid, model.multi_modal_projector.weight.shape[1])
     proj = event_ms(lambda: model.multi_modal_projector(feats))
-    cross = [m for m in model.language_model.model.layers if is_cross_layer(m)]
+    cross = cross_kv_projections(model)
     vis = rand(valid, model.spec.text.hidden_size)
-    kv_ms = (event_ms(lambda: cross[0].cross_attn.kv_proj(vis)) * len(cross)) if cross else 0.0
+    kv_ms = (event_ms(lambda: cross[0](vis)) * len(cross)) if cross else 0.0
     text_bytes = sum(p.numel() * p.element_size() for p in model.language_model.parameters())
     weights_ms = text_bytes / (copy_tb_s * 1e12) * 1e3
     parts = {
