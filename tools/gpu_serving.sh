@@ -3,7 +3,8 @@
 # concurrency-32 workload with image arrivals, saves the result JSON and the server's /metrics.
 # Usage (repository root, offline GPU machine): bash tools/gpu_serving.sh [extra server args...]
 # Env: TAG (file names), BENCH_ARGS (extra benchmark flags, e.g. "--random-range-ratio 0.5"),
-# TRACE=1 (server under benchmarks/trace_serve.py; analysis in $OUT/$TAG.analysis.txt);
+# TRACE=1 (server under `python -m benchmarks.profiling serve`, a step trace; analysis in
+# $OUT/$TAG.analysis.txt);
 # MODEL and NUM_PROMPTS (defaults demo/mllama-11b, 96) for a dry run on a small model.
 set -uo pipefail
 source tools/gpu_env.sh || exit 1
@@ -12,7 +13,7 @@ TAG=${TAG:-serving}
 SERVER=(-m vllm.entrypoints.cli.main)
 if [ "${TRACE:-0}" = 1 ]; then
   export STEP_TRACE="$OUT/$TAG.trace.json"
-  SERVER=(benchmarks/trace_serve.py)
+  SERVER=(-m benchmarks.profiling)
 fi
 python3 "${SERVER[@]}" serve "${MODEL:-demo/mllama-11b}" --load-format dummy --dtype bfloat16 \
   --max-model-len 4096 --max-num-seqs 64 --port "$PORT" "$@" >"$OUT/$TAG.server.log" 2>&1 &
@@ -40,7 +41,7 @@ python3 -c "import httpx,sys; print(httpx.get(f'http://127.0.0.1:{sys.argv[1]}/m
 grep -E "^vllm:(cuda_graph_replays|eager_decode)" "$OUT/$TAG.metrics.txt"
 kill -TERM $SRV; wait $SRV
 if [ "${TRACE:-0}" = 1 ]; then
-  python3 benchmarks/analyze_serve_trace.py "$OUT/$TAG.json" "$STEP_TRACE" \
+  python3 -m benchmarks.profiling analyze "$OUT/$TAG.json" "$STEP_TRACE" \
     >"$OUT/$TAG.analysis.txt" 2>&1
   head -4 "$OUT/$TAG.analysis.txt"
 fi

@@ -1,7 +1,8 @@
 """The benchmark tools on CPU: latency and throughput on the tiny demo model in-process, the
-serving benchmark's SSE client, and the whole serving benchmark against a scripted loopback
-server and against the real server (``vllm.entrypoints.openai.api_server``) when it exists.
-The pure serving math is in ``test_serving_metrics.py``."""
+serving benchmark's SSE client, the whole serving benchmark against a scripted loopback server
+and against the real server (``vllm.entrypoints.openai.api_server``) when it exists, and the
+``--smoke`` runs of ``python -m benchmarks.engine`` (report, ttft-tiles, interleave). The pure
+serving math is in ``test_serving_metrics.py``."""
 
 from __future__ import annotations
 
@@ -322,15 +323,19 @@ def test_vllm_bench_cli_uses_these_modules() -> None:
     assert args.num_prompts == 5 and args.image_ratio == 1.0
 
 
-def test_closed_loop_interleave_smoke(tmp_path: Path) -> None:
-    """benchmarks/benchmark_interleave.py on the tiny model: a JSON with ITL percentiles and
-    a step trace whose steps add up to the work done."""
-    out = tmp_path / "il.json"
+def _run_module(*argv: str) -> None:
+    """Runs ``python -m ARGV`` from the repository root (as the README says to)."""
     root = Path(__file__).resolve().parents[2]
-    proc = subprocess.run([sys.executable, "benchmark_interleave.py", "--smoke", "--out",
-                           str(out)], cwd=root / "benchmarks", capture_output=True, text=True,
-                          timeout=300)
+    proc = subprocess.run([sys.executable, "-m", *argv], cwd=root, capture_output=True,
+                          text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-2000:]
+
+
+def test_closed_loop_interleave_smoke(tmp_path: Path) -> None:
+    """python -m benchmarks.engine interleave on the tiny model: a JSON with ITL percentiles
+    and a step trace whose steps add up to the work done."""
+    out = tmp_path / "il.json"
+    _run_module("benchmarks.engine", "interleave", "--smoke", "--out", str(out))
     rec = json.loads(out.read_text())
     assert rec["itl_ms"]["50"] > 0 and rec["ttft_ms"]["99"] >= rec["ttft_ms"]["50"]
     assert rec["graph_replay_fraction"] == 1.0
@@ -339,51 +344,25 @@ def test_closed_loop_interleave_smoke(tmp_path: Path) -> None:
     assert sum(s["seqs"] for s in rec["trace"] if s["kind"] == "prefill") == 8
 
 
-def test_run_report_smoke(tmp_path: Path) -> None:
-    """benchmarks/run_report.py --smoke (tiny model, CPU): the measurement code paths run and
-    the summary carries every target's figure, including TTFT over its component floors."""
-    root = Path(__file__).resolve().parents[2]
-    proc = subprocess.run([sys.executable, "run_report.py", "--smoke", "--out", str(tmp_path)],
-                          cwd=root / "benchmarks", capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-2000:]
+def test_report_smoke(tmp_path: Path) -> None:
+    """python -m benchmarks.engine report --smoke (tiny model, CPU): the measurement code paths
+    run and the summary carries every target's figure, including TTFT over its floors."""
+    _run_module("benchmarks.engine", "report", "--smoke", "--out", str(tmp_path))
     summary = json.loads((tmp_path / "summary.json").read_text())
     assert summary["ttft_image_ms"] > 0 and summary["ttft_over_component_floors"] > 0
     assert summary["decode_bs1_text_ms"] > 0 and summary["graph_replay_fraction"] == 1.0
+    assert set(summary) == {
+        "decode_bs1_image_ms", "floor_cross_ms", "decode_bs1_text_ms", "floor_text_ms",
+        "ttft_image_ms", "ttft_over_component_floors", "ttft_over_floors_split_padding_rows",
+        "bs64_mixed_bandwidth_fraction", "graph_replay_fraction", "hf_bs1_image_ms", "copy_tb_s",
+    }
 
 
 def test_ttft_tiles_smoke(tmp_path: Path) -> None:
-    """benchmarks/ttft_tiles.py --smoke: one prefill per canvas, and the processor split the
-    canvases into 1, 2, 3 and 4 tiles as the script claims."""
+    """python -m benchmarks.engine ttft-tiles --smoke: one prefill per canvas, and the
+    processor split the canvases into 1, 2, 3 and 4 tiles as the command claims."""
     out = tmp_path / "tiles.json"
-    root = Path(__file__).resolve().parents[2]
-    proc = subprocess.run([sys.executable, "ttft_tiles.py", "--smoke", "--json", str(out)],
-                          cwd=root / "benchmarks", capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-2000:]
+    _run_module("benchmarks.engine", "ttft-tiles", "--smoke", "--json", str(out))
     rows = json.loads(out.read_text())["rows"]
     assert [r["tiles"] for r in rows] == [1, 2, 3, 4]
     assert all(r["ttft_ms"] > 0 for r in rows)
-
-
-def _kernel_smoke(script: str, out: Path) -> dict:
-    """Runs ``benchmarks/kernels/<script> --smoke --out <out>``; returns the JSON written."""
-    root = Path(__file__).resolve().parents[2]
-    proc = subprocess.run([sys.executable, f"kernels/{script}", "--smoke", "--out", str(out)],
-                          cwd=root / "benchmarks", capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    return json.loads(out.read_text())
-
-
-def test_gemm_first_call_smoke(tmp_path: Path) -> None:
-    """benchmarks/kernels/benchmark_gemm_first_call.py --smoke: every mode ran in its own
-    process, every (row count, shape) once, and the bucketed mode warmed each bucket first."""
-    rec = _kernel_smoke("benchmark_gemm_first_call.py", tmp_path / "gemm.json")
-    rows, shapes, bucket = rec["rows"], rec["shapes"], rec["bucket"]
-    assert len(set(rows)) == len(rows) == 6
-    by_mode = {r["mode"]: r for r in rec["results"]}
-    assert set(by_mode) == {"lazy", "eager", "bucketed"}
-    for r in by_mode.values():
-        assert r["calls"] == len(rows) * len(shapes) and r["median_host_ms"] > 0
-        assert r["slow_calls"] == len(r["slowest"]) or len(r["slowest"]) == 8
-    assert rec["max_rows"] % bucket == 0 and rec["max_rows"] > max(rows)
-    assert by_mode["bucketed"]["warm_up_calls"] == len(shapes) * (rec["max_rows"] // bucket)
-    assert by_mode["lazy"]["warm_up_calls"] == 0

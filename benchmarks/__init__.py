@@ -1,0 +1,9 @@
+"""Benchmarks of this engine, run from the repository root as modules.
+
+    python -m benchmarks.engine {report,ttft-tiles,interleave} ...   # end to end, in-process
+    python -m benchmarks.profiling {kernels,host,gaps,serve,analyze} ...
+    python -m benchmarks.kernels {attention,vision,gemm,launch,argmax,decode-tune} ...
+    python benchmarks/benchmark_{latency,throughput,serving}.py ...  # = vllm bench ...
+
+Shared code is in :mod:`benchmarks.common`; see benchmarks/README.md.
+"""

@@ -1,0 +1,1 @@
+"""End-to-end benchmarks of the engine in-process: ``python -m benchmarks.engine COMMAND``."""

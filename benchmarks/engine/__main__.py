@@ -1,0 +1,26 @@
+"""End-to-end benchmarks with the engine in-process (11B shape on a GPU, or --smoke on CPU).
+
+python -m benchmarks.engine COMMAND [options]
+"""
+
+from __future__ import annotations
+
+from benchmarks.common import dispatch
+
+COMMANDS = {
+    "report": (
+        "benchmarks.engine.report",
+        "the H200 report: decode ms/step, TTFT and its floors, host time, start-up",
+    ),
+    "ttft-tiles": (
+        "benchmarks.engine.ttft_tiles",
+        "TTFT of one image of 1, 2, 3 or 4 tiles + 128 tokens",
+    ),
+    "interleave": (
+        "benchmarks.engine.interleave",
+        "closed-loop inter-token latency with image arrivals, per-step trace",
+    ),
+}
+
+if __name__ == "__main__":
+    dispatch("python -m benchmarks.engine", __doc__.splitlines()[0], COMMANDS)

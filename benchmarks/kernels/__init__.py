@@ -1,0 +1,1 @@
+"""Kernel microbenchmarks on a GPU: ``python -m benchmarks.kernels COMMAND``."""

@@ -1,0 +1,1 @@
+"""Where time goes, on a GPU: ``python -m benchmarks.profiling COMMAND``."""

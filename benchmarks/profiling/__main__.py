@@ -1,0 +1,36 @@
+"""Profiles of the 11B shape on a GPU, and the serving step trace with its analysis.
+
+python -m benchmarks.profiling COMMAND [options]
+"""
+
+from __future__ import annotations
+
+from benchmarks.common import dispatch
+
+COMMANDS = {
+    "kernels": (
+        "benchmarks.profiling.kernel_tables",
+        "torch.profiler kernel tables: image prefill, decode graph vs eager, "
+        "kernels per decode forward",
+    ),
+    "host": (
+        "benchmarks.profiling.host",
+        "host time of bs=1 decode steps without the profiler: launch vs replay, GC, "
+        "cProfile, replay with a queue",
+    ),
+    "gaps": (
+        "benchmarks.profiling.gaps",
+        "GPU idle gaps of one image prefill, graph vs eager kernels, syncing calls",
+    ),
+    "serve": (
+        "benchmarks.profiling.serve_trace",
+        "vllm serve with a step trace (STEP_TRACE=FILE): steps, JIT compiles, slow calls",
+    ),
+    "analyze": (
+        "benchmarks.profiling.serve_analysis",
+        "line a serving result up with a step trace: ITL bursts and their steps",
+    ),
+}
+
+if __name__ == "__main__":
+    dispatch("python -m benchmarks.profiling", __doc__.splitlines()[0], COMMANDS)
