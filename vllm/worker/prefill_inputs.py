@@ -8,8 +8,8 @@ siblings recomputed after preemption) share one encoding of its images.
 The runner pads a step's rows up to ``prefill_rows(T)`` (padding rows: token 0 at position 0,
 no cache slot, no vision range, outside every sequence): the text model's GEMMs then see a
 small fixed set of row counts, which the start-up warm-up runs once each. cuBLAS spends 1-5 ms
-of host time on the first GEMM of each new row count (benchmarks/kernels/
-benchmark_gemm_first_call.py on the H200; CUDA's module loading does not change it), and in a
+of host time on the first GEMM of each new row count (measured on the H200, see the 2026-12-01
+entry of benchmarks/RESULTS.md; CUDA's module loading does not change it), and in a
 server that host time stalls every running stream. Every operation of the text model is
 row-wise except attention, which reads the sequences' rows only (and zeroes the padding rows'
 output, see ``Attention.forward``), so padding changes no real row's result beyond the GEMMs'

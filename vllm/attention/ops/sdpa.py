@@ -1,10 +1,11 @@
 """Prefill attention through torch's SDPA: the prefill of both back-ends.
 
-On the H200 SDPA's cuDNN back-end beats this project's Triton prefill kernels (8k-token causal
-GQA: 0.92 vs 1.35 ms; 1k x 6,404 ranged cross: 0.19 vs 0.31 ms; benchmarks/RESULTS.md), so
-the CUDA back-end uses it too, except for cross prefills of few queries over many vision tokens
-(``triton_prefill.ranged_cross_attention`` with key splits fills the GPU there). Prefill runs
-eagerly, never captured: looping over host lengths is fine.
+On the H200 SDPA's cuDNN back-end beat the Triton prefill kernels written here (8k-token causal
+GQA: 0.98 vs 1.35 ms, the causal kernel since removed; 1,024 x 6,404 ranged cross: 0.18 vs
+0.31 ms; benchmarks/RESULTS.md), so the CUDA back-end uses it too, except for cross prefills
+of few queries over many vision tokens (``triton_prefill.ranged_cross_attention`` with key
+splits fills the GPU there). Prefill runs eagerly, never captured: looping over host lengths
+is fine.
 """
 
 from __future__ import annotations

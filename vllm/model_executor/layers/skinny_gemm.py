@@ -101,7 +101,7 @@ def default_config(m: int, n: int, k: int) -> GemmConfig:
 
 
 # Shapes where this kernel beat cuBLAS and cuBLASLt on the H200 (bf16; time per call incl. the
-# split-K reduction cuBLAS adds; `benchmarks/kernels/benchmark_gemm.py`, see RESULTS.md), keyed
+# split-K reduction cuBLAS adds; `python -m benchmarks.kernels gemm`, see RESULTS.md), keyed
 # by (row bucket, N, K). Everything else stays with cuBLAS.
 _TUNED: dict[tuple[int, int, int], GemmConfig] = {
     # 4096 x 4096 (self-attention output, cross-attention query and output): 13.1 vs 14.4 us
@@ -147,8 +147,8 @@ def silu_kernel(layer: Any, config: GemmConfig) -> Callable[[torch.Tensor], torc
 # GEMM and ``silu_and_mul``), where that measured faster than cuBLASLt's GEMM plus the
 # activation kernel on the H200; keyed like ``_TUNED`` by (row bucket, 2 * intermediate, K).
 # 11B gate|up (2 x 14336 x 4096), us per call incl. the activation
-# (`benchmark_gemm.py --silu`): 56.9 vs 57.5 at 1 row, 58.4 vs 59.2 at 16, 60.4 vs 60.8 at 32,
-# 62.5 vs 63.6 at 64; and one graph node fewer per MLP.
+# (`python -m benchmarks.kernels gemm --silu`): 56.9 vs 57.5 at 1 row, 58.4 vs 59.2 at 16,
+# 60.4 vs 60.8 at 32, 62.5 vs 63.6 at 64; and one graph node fewer per MLP.
 _TUNED_SILU: dict[tuple[int, int, int], GemmConfig] = {
     (16, 28672, 4096): GemmConfig(16, 128, 128, num_warps=4, num_stages=3),
     (32, 28672, 4096): GemmConfig(32, 64, 256, num_warps=4, num_stages=3),
