@@ -1,14 +1,17 @@
 #!/usr/bin/env bash
 # Before/after measurements on one GPU, alternating: the H200 report and the serving benchmark
 # of this tree against an older tree checked out at $BEFORE (a git worktree carried along), plus
-# optional GPU tests first. Each task runs only while the call's time budget allows it; all
-# outputs are packed into $OUT/ab_$TAG.tgz and a table is printed last.
+# GPU tests. Each task runs only while the call's time budget allows it; all outputs are packed
+# into $OUT/ab_$TAG.tgz and a table is printed last (also $OUT/table.txt).
 # Usage (repository root, offline GPU machine, .whl/ and .cache/demo/ carried):
 #   BEFORE=.before TASKS="tests report:before report:after serve:before serve:after" \
 #     BUDGET_S=540 TAG=call1 bash tools/gpu_ab.sh
 # Env: TESTS (pytest paths for the "tests" task), REPORT_ARGS (default "--skip-hf --batches 1,64").
 set -uo pipefail
 source tools/gpu_env.sh || exit 1
+# Everything goes to one folder, packed at the end (a call brings back only a few files).
+FINAL=$OUT OUT=$OUT/run
+mkdir -p "$OUT"
 ROOT=$PWD
 BEFORE=${BEFORE:-.before}
 BUDGET_S=${BUDGET_S:-540}
@@ -49,5 +52,5 @@ for task in $TASKS; do
   esac
   echo "$name: $((SECONDS - t0)) s" | tee -a "$OUT/durations.txt"
 done
-python3 tools/ab_table.py "$OUT" | tee "$OUT/table.txt"
-(cd "$OUT" && tar czf "/tmp/ab_$TAG.tgz" --exclude='*.tgz' . && mv "/tmp/ab_$TAG.tgz" .)
+python3 tools/ab_table.py "$OUT" | tee "$FINAL/table.txt"
+tar czf "$FINAL/ab_$TAG.tgz" -C "$OUT" . && rm -rf "$OUT"

@@ -70,10 +70,14 @@ def test_full_context_prefill_matches_torch_kernels(loaded, n: int) -> None:
         plain = _logits(cfg, lm, ids, positions)
     finally:
         select_kernels(lm.model, lm.kernels)
-    # bf16 activations through 40 layers: the two orders of rounding drift apart a little.
-    err = (fused - plain).norm() / plain.norm()
-    assert err < 2e-2, err
-    assert (fused.argmax(-1) == plain.argmax(-1)).float().mean() >= 0.8
+    # bf16 activations through 40 layers: the two orders of rounding drift apart by about 2%
+    # (random weights), the same on either side of row 74,898, where 32-bit offsets of the
+    # gate|up rows would wrap (a wrapped offset reads other rows: an error of order 1, or NaN).
+    err = ((fused - plain).norm(dim=-1) / plain.norm(dim=-1)).tolist()
+    below = [e for p, e in zip(positions, err, strict=True) if p < 74_898]
+    above = [e for p, e in zip(positions, err, strict=True) if p >= 74_898]
+    assert max(err) < 5e-2, dict(zip(positions, err, strict=True))
+    assert max(above) < 1.5 * max(below) + 1e-2, dict(zip(positions, err, strict=True))
 
 
 def test_engine_serves_a_full_context_prompt(loaded) -> None:

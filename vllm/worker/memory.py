@@ -16,6 +16,7 @@ import torch
 from vllm.config import VllmConfig
 from vllm.forward_context import set_forward_context
 from vllm.logger import init_logger
+from vllm.model_executor.model_loader.loader import build_model
 from vllm.model_executor.models.mllama import MllamaForConditionalGeneration
 from vllm.multimodal.cross_attention import image_runs, last_group
 from vllm.multimodal.processing import ImageInputs, ProcessedInputs
@@ -102,11 +103,9 @@ def weight_bytes(config: VllmConfig) -> int:
     """Bytes of the model's parameters and buffers in its dtype (built on the meta device:
     nothing is allocated)."""
     mc = config.model_config
-    with torch.device("meta"):
-        model = MllamaForConditionalGeneration(mc.spec, max_position=mc.max_model_len)
-    elem = torch.empty((), dtype=mc.dtype).element_size()
-    total = sum(p.numel() * elem for p in model.parameters())
-    return total + sum(b.numel() * b.element_size() for b in model.buffers())
+    model = build_model(mc.spec, mc.dtype, torch.device("meta"), mc.max_model_len)
+    tensors = [*model.parameters(), *model.buffers()]
+    return sum(t.numel() * t.element_size() for t in tensors)
 
 
 def prefill_activation_estimate(config: VllmConfig) -> int:

@@ -95,12 +95,10 @@ def initialize_dummy_weights(model: nn.Module, seed: int = 0) -> None:
         p.normal_(0.0, _dummy_std(name, p), generator=dev_gen)
 
 
-def get_model(spec: MllamaSpec, model_dir: Path | None, load_format: str, dtype: torch.dtype,
-              device: torch.device, max_position: int, seed: int = 0
-              ) -> MllamaForConditionalGeneration:
-    """Constructs the model directly on ``device`` in ``dtype`` and loads its weights."""
-    if load_format not in LOAD_FORMATS:
-        raise ValueError(f"load_format must be one of {LOAD_FORMATS}, got {load_format!r}")
+def build_model(spec: MllamaSpec, dtype: torch.dtype, device: torch.device,
+                max_position: int) -> MllamaForConditionalGeneration:
+    """The model's modules, allocated directly on ``device`` in ``dtype`` (the meta device
+    allocates nothing), weights not loaded."""
     old_dtype = torch.get_default_dtype()
     torch.set_default_dtype(dtype)
     try:
@@ -108,7 +106,16 @@ def get_model(spec: MllamaSpec, model_dir: Path | None, load_format: str, dtype:
             model = MllamaForConditionalGeneration(spec, max_position=max_position)
     finally:
         torch.set_default_dtype(old_dtype)
-    model.eval()
+    return model.eval()
+
+
+def get_model(spec: MllamaSpec, model_dir: Path | None, load_format: str, dtype: torch.dtype,
+              device: torch.device, max_position: int, seed: int = 0
+              ) -> MllamaForConditionalGeneration:
+    """Constructs the model directly on ``device`` in ``dtype`` and loads its weights."""
+    if load_format not in LOAD_FORMATS:
+        raise ValueError(f"load_format must be one of {LOAD_FORMATS}, got {load_format!r}")
+    model = build_model(spec, dtype, device, max_position)
     if load_format == "dummy":
         initialize_dummy_weights(model, seed)
         logger.info("Initialised dummy weights (seed %d)", seed)
