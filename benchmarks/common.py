@@ -179,6 +179,25 @@ def copy_bandwidth_gb_s() -> float:
 # ------------------------------------------------------------------------------ engine internals
 
 
+def prefill_times_ms(llm: LLM, processed: Any, iters: int, tag: str) -> list[float]:
+    """Wall times (ms) of ``iters + 1`` runs of one processed request with ``max_tokens=1``,
+    each from ``add_request`` until it finishes (TTFT as a client of the engine sees it; the
+    first run warms up)."""
+    from vllm import SamplingParams
+
+    engine, view = llm.llm_engine, EngineView(llm)
+    params = SamplingParams(temperature=0, max_tokens=1)
+    times = []
+    for i in range(iters + 1):
+        view.add_processed(f"{tag}{time.perf_counter_ns()}-{i}", processed, params)
+        sync()
+        t0 = time.perf_counter()
+        while engine.has_unfinished_requests():
+            engine.step()
+        times.append((time.perf_counter() - t0) * 1e3)
+    return times
+
+
 class EngineView:
     """The engine internals the in-process benchmarks read and patch, for one ``LLM``."""
 

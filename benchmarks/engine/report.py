@@ -29,6 +29,7 @@ from benchmarks.common import (
     event_ms,
     make_prompt,
     noise_image,
+    prefill_times_ms,
     sync,
     tiny_llm,
 )
@@ -163,17 +164,9 @@ def decode_grid(
 def ttft_breakdown(llm: LLM, iters: int = 5) -> dict:
     """Median TTFT of one 4-tile image + 128 tokens, with the vision tower and projector
     timed alone (the rest is the text prefill and host work)."""
-    engine, view = llm.llm_engine, EngineView(llm)
-    params = SamplingParams(temperature=0, max_tokens=1)
+    view = EngineView(llm)
     processed = view.process(make_prompt(llm, True, 128, 99))
-    times = []
-    for i in range(iters + 1):
-        view.add_processed(f"ttft{i}", processed, params)
-        sync()
-        t0 = time.perf_counter()
-        while engine.has_unfinished_requests():
-            engine.step()
-        times.append((time.perf_counter() - t0) * 1e3)
+    times = prefill_times_ms(llm, processed, iters, "ttft")
     model = view.model
     pv, ar, tiles = view.image_inputs(processed, view.runner.device)
 

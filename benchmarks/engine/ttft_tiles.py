@@ -14,14 +14,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import time
 from pathlib import Path
 
 import numpy as np
 from PIL import Image
 
-from benchmarks.common import EngineView, dummy_11b, sync, tiny_llm
-from vllm import LLM, SamplingParams
+from benchmarks.common import EngineView, dummy_11b, prefill_times_ms, tiny_llm
+from vllm import LLM
 
 CANVASES = ((1, 1), (1, 2), (1, 3), (2, 2))  # (rows, columns) of tiles
 
@@ -43,17 +42,8 @@ def tiled_prompt(llm: LLM, rows: int, cols: int, n_tokens: int, seed: int) -> di
 
 def ttft_ms(llm: LLM, prompt: dict, iters: int) -> tuple[float, int]:
     """(median TTFT ms over ``iters`` prefills after a warm-up one, tiles of the image)."""
-    engine, view = llm.llm_engine, EngineView(llm)
-    params = SamplingParams(temperature=0, max_tokens=1)
-    processed = view.process(prompt)
-    times = []
-    for i in range(iters + 1):
-        view.add_processed(f"tiles{time.perf_counter_ns()}-{i}", processed, params)
-        sync()
-        t0 = time.perf_counter()
-        while engine.has_unfinished_requests():
-            engine.step()
-        times.append((time.perf_counter() - t0) * 1e3)
+    processed = EngineView(llm).process(prompt)
+    times = prefill_times_ms(llm, processed, iters, "tiles")
     return float(np.median(times[1:])), EngineView.image_tiles(processed)
 
 
