@@ -301,8 +301,8 @@ async def parse_chat_messages_async(
     budget: ChatTemplateBudget | None = None,
 ) -> dict[str, Any]:
     """The server's path: the template (under ``budget``) and tokenizer run in a worker thread
-    while the images are fetched and decoded concurrently; nothing here blocks the event
-    loop."""
+    while the images are fetched and decoded concurrently, all of them within the media
+    connector's per-request deadline; nothing here blocks the event loop."""
     for src in parsed.image_sources:
         if not isinstance(src, str):
             raise ValueError("image_pil parts are only supported offline; send image_url.")
@@ -317,10 +317,10 @@ async def parse_chat_messages_async(
         add_special_tokens,
         budget,
     )
-    fetches = [media.fetch_image_async(src) for src in parsed.image_sources]
-    results = await asyncio.gather(render, *fetches, return_exceptions=True)
-    for r in results:
+    fetches = media.fetch_images_async(parsed.image_sources)
+    rendered, images = await asyncio.gather(render, fetches, return_exceptions=True)
+    for r in (rendered, images):
         if isinstance(r, BaseException):
             raise r
-    text, ids = results[0]
-    return make_prompt(ids, text, list(results[1:]))
+    text, ids = rendered
+    return make_prompt(ids, text, images)
