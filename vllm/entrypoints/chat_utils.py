@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from vllm.entrypoints.chat_template import ChatTemplateBudget, render_template
-from vllm.multimodal.image import ImageMediaConnector
+from vllm.multimodal.image import ImageMediaConnector, check_image
 
 # Keys a request's chat_template_kwargs may not override (they are set from the request).
 _RESERVED_TEMPLATE_KWARGS = frozenset(
@@ -284,7 +284,8 @@ def parse_chat_messages(
     )
     media = media or ImageMediaConnector()
     images = [
-        src if not isinstance(src, str) else media.fetch_image(src) for src in parsed.image_sources
+        check_image(src, f"image {i}") if not isinstance(src, str) else media.fetch_image(src)
+        for i, src in enumerate(parsed.image_sources)
     ]
     return make_prompt(ids, text, images)
 
