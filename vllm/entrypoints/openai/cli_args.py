@@ -121,7 +121,46 @@ def make_arg_parser(
         action="store_true",
         help="Disable /docs, /redoc and /openapi.json.",
     )
+    add_server_limit_args(parser)
     add_engine_cli_args(parser, positional_model=positional_model)
+    return parser
+
+
+# (flag, type, default, help) of the server limits; docs/security.md lists every limit.
+_LIMIT_FLAGS: tuple[tuple[str, type, object, str], ...] = (
+    ("--max-request-body-bytes", int, None,
+     "Requests whose body is larger (counted as received, whatever the headers say) get a "
+     "413 (default: env VLLM_MAX_REQUEST_BODY_BYTES, else 32 MiB)."),
+    ("--shutdown-timeout", float, 0.0,
+     "On SIGTERM or Ctrl-C, seconds that in-flight requests may take to finish before they "
+     "are aborted with an error (default 0: abort at once); new connections are refused "
+     "meanwhile. The process exits with status 0."),
+    ("--max-image-pixels", int, None,
+     "Largest image, in decoded pixels (default 16 Mi, or env VLLM_IMAGE_MAX_PIXELS if "
+     "lower); a JPEG far larger than the model uses is decoded at a reduced scale first."),
+    ("--image-decode-concurrency", int, 2, "Images decoded at the same time; others wait."),
+    ("--image-fetch-timeout", float, None,
+     "Seconds for one image URL in all: DNS, redirects and the body (default: env "
+     "VLLM_IMAGE_FETCH_TIMEOUT, else 5)."),
+    ("--image-fetch-request-timeout", float, 10.0,
+     "Seconds for all the images of one request."),
+    ("--limit-concurrency", int, 2048,
+     "Open connections the server keeps; one beyond is closed at once, and a request "
+     "arriving at the limit gets a 503."),
+    ("--timeout-keep-alive", float, 5.0, "Seconds an idle keep-alive connection stays open."),
+    ("--header-timeout", float, 10.0,
+     "Seconds a connection may take to send a request's headers; then it is closed."),
+    ("--body-timeout", float, 60.0,
+     "Seconds a request may take to send its body; then a 408."),
+)
+
+
+def add_server_limit_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """What one request (or connection) may cost the server."""
+    g = parser.add_argument_group("server limits")
+    for flag, kind, default, text in _LIMIT_FLAGS:
+        shown = "" if default is None or "default" in text else f" (default {default})"
+        g.add_argument(flag, type=kind, default=default, help=text + shown)
     return parser
 
 

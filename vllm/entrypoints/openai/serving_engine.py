@@ -10,7 +10,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 from collections.abc import AsyncGenerator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from starlette.requests import Request
@@ -22,6 +22,7 @@ from vllm.entrypoints.openai.protocol import (
     CompletionRequest,
     OpenAIBaseModel,
 )
+from vllm.entrypoints.openai.server_limits import ServerLimits
 from vllm.entrypoints.openai.streaming import wait_for_disconnect
 from vllm.logger import init_logger
 from vllm.multimodal.image import ImageMediaConnector
@@ -85,6 +86,7 @@ class ServerContext:
     response_role: str = "assistant"
     log_requests: bool = False
     max_log_len: int | None = None
+    limits: ServerLimits = field(default_factory=ServerLimits)
 
     @property
     def max_model_len(self) -> int:
@@ -157,6 +159,7 @@ class OpenAIServing:
                 f"the messages, {max_tokens} in the completion). Please reduce the length of "
                 "the messages or completion."
             )
+
 
     # ------------------------------------------------------------------ inputs
     async def tokenize_text(self, text: str, add_special_tokens: bool) -> list[int]:
@@ -242,7 +245,10 @@ class OpenAIServing:
 
     # ------------------------------------------------------------------ running requests
     def generate(
-        self, processed: Any, params: SamplingParams, request_id: str
+        self,
+        processed: Any,
+        params: SamplingParams,
+        request_id: str,
     ) -> AsyncGenerator[RequestOutput, None]:
         """The engine's output stream for one prompt (checked first: raises a 400)."""
         if params.prompt_logprobs is not None:
