@@ -135,6 +135,12 @@ _LIMIT_FLAGS: tuple[tuple[str, type, object, str], ...] = (
      "On SIGTERM or Ctrl-C, seconds that in-flight requests may take to finish before they "
      "are aborted with an error (default 0: abort at once); new connections are refused "
      "meanwhile. The process exits with status 0."),
+    ("--chat-template-max-steps", int, 1_000_000,
+     "Steps (loop iterations, calls, lookups, operators) one chat template render may take."),
+    ("--chat-template-max-chars", int, 4 << 20,
+     "Largest string, and output, a chat template render may build, in characters (4 Mi)."),
+    ("--chat-template-timeout", float, 2.0,
+     "Seconds one chat template render may run; it is stopped from inside."),
     ("--max-image-pixels", int, None,
      "Largest image, in decoded pixels (default 16 Mi, or env VLLM_IMAGE_MAX_PIXELS if "
      "lower); a JPEG far larger than the model uses is decoded at a reduced scale first."),
@@ -158,6 +164,12 @@ _LIMIT_FLAGS: tuple[tuple[str, type, object, str], ...] = (
 def add_server_limit_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     """What one request (or connection) may cost the server."""
     g = parser.add_argument_group("server limits")
+    g.add_argument(
+        "--trust-request-chat-template",
+        action="store_true",
+        help="Accept a chat_template sent in a request (default: such requests get a 400). "
+        "Every template renders under the chat-template budget either way.",
+    )
     for flag, kind, default, text in _LIMIT_FLAGS:
         shown = "" if default is None or "default" in text else f" (default {default})"
         g.add_argument(flag, type=kind, default=default, help=text + shown)

@@ -18,7 +18,11 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from vllm.engine.async_llm_engine import EngineDeadError
-from vllm.entrypoints.chat_utils import parse_chat_messages_async, parse_conversation
+from vllm.entrypoints.chat_utils import (
+    ParsedConversation,
+    parse_chat_messages_async,
+    parse_conversation,
+)
 from vllm.entrypoints.openai.protocol import (
     ChatCompletionLogProb,
     ChatCompletionLogProbs,
@@ -80,7 +84,9 @@ class OpenAIServingChat(OpenAIServing):
         self, request: ChatCompletionRequest, raw_request: Request
     ) -> Response:
         model = self.check_request(request)
-        prompt, params = await self._prepare(request)
+        self.check_chat_template(request.chat_template)
+        parsed = self._parse(request)
+        prompt, params = await self._prepare(request, parsed)
         processed = await self.process(prompt)
         request_id = (
             f"chatcmpl-{request.request_id}" if request.request_id else random_id("chatcmpl")
@@ -101,10 +107,7 @@ class OpenAIServingChat(OpenAIServing):
         body = self._response(final, request_id, model, role, params, num_prompt)
         return JSONResponse(body.model_dump())
 
-    async def _prepare(
-        self, request: ChatCompletionRequest
-    ) -> tuple[dict[str, Any], SamplingParams]:
-        """Messages -> engine prompt (token ids and images) and the request's SamplingParams."""
+    def _parse(self, request: ChatCompletionRequest) -> ParsedConversation:
         try:
             parsed = parse_conversation(request.messages)
         except ValueError as e:
@@ -115,6 +118,12 @@ class OpenAIServingChat(OpenAIServing):
                 f"You set image={limit} (or defaulted to 1) in `--limit-mm-per-prompt`, but "
                 f"passed {len(parsed.image_sources)} image items in the same prompt."
             )
+        return parsed
+
+    async def _prepare(
+        self, request: ChatCompletionRequest, parsed: ParsedConversation
+    ) -> tuple[dict[str, Any], SamplingParams]:
+        """Messages -> engine prompt (token ids and images) and the request's SamplingParams."""
         try:
             prompt = await parse_chat_messages_async(
                 parsed,
@@ -125,6 +134,7 @@ class OpenAIServingChat(OpenAIServing):
                 chat_template_kwargs=request.chat_template_kwargs,
                 continue_final_message=request.continue_final_message,
                 add_special_tokens=request.add_special_tokens,
+                budget=self.ctx.limits.chat_template_budget,
             )
         except ValueError as e:
             raise bad_request(str(e)) from None

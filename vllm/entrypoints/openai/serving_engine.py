@@ -160,6 +160,15 @@ class OpenAIServing:
                 "the messages or completion."
             )
 
+    def check_chat_template(self, chat_template: str | None) -> None:
+        """A request's own template runs only on a server that trusts them (upstream's rule)."""
+        if chat_template is not None and not self.ctx.limits.trust_request_chat_template:
+            raise bad_request(
+                "Chat template is passed with request, but --trust-request-chat-template is not "
+                "set. Refused request with untrusted chat template.",
+                "chat_template",
+            )
+
 
     # ------------------------------------------------------------------ inputs
     async def tokenize_text(self, text: str, add_special_tokens: bool) -> list[int]:

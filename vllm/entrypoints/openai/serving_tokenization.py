@@ -69,6 +69,7 @@ class OpenAIServingTokenization(OpenAIServing):
     async def create_tokenize(self, request: TokenizeRequest) -> TokenizeResponse:
         self.check_request(request)
         if isinstance(request, TokenizeChatRequest):
+            self.check_chat_template(request.chat_template)
             try:
                 parsed = parse_conversation(request.messages)
                 text = await asyncio.to_thread(
@@ -79,6 +80,7 @@ class OpenAIServingTokenization(OpenAIServing):
                     request.add_generation_prompt,
                     request.continue_final_message,
                     request.chat_template_kwargs,
+                    self.ctx.limits.chat_template_budget,
                 )
             except ValueError as e:
                 raise bad_request(str(e)) from None
