@@ -37,11 +37,13 @@ from vllm.entrypoints.openai.metrics import CONTENT_TYPE, ServerMetrics
 from vllm.entrypoints.openai.middleware import (
     APIKeyMiddleware,
     BodySizeLimitMiddleware,
+    RequestLimitsMiddleware,
 )
 from vllm.entrypoints.openai.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
 )
+from vllm.entrypoints.openai.request_checks import RequestLimits
 from vllm.entrypoints.openai.server_limits import ServerLimits
 from vllm.entrypoints.openai.serving_chat import OpenAIServingChat
 from vllm.entrypoints.openai.serving_completion import OpenAIServingCompletion
@@ -126,6 +128,15 @@ def media_connector(args: argparse.Namespace, limits: ServerLimits) -> ImageMedi
     )
 
 
+def longest_token_chars(tokenizer: Any) -> int:
+    """Characters of the longest token (its vocabulary form: a byte-level token has one
+    character per byte, never fewer than its text)."""
+    try:
+        return max(1, max(map(len, tokenizer.get_vocab())))
+    except (AttributeError, TypeError, ValueError):
+        return 64
+
+
 def build_server_context(args: argparse.Namespace, engine: AsyncLLMEngine) -> ServerContext:
     mc = engine.config.model_config
     names = args.served_model_name or [mc.served_model_name]
@@ -142,6 +153,7 @@ def build_server_context(args: argparse.Namespace, engine: AsyncLLMEngine) -> Se
         log_requests=bool(args.enable_log_requests),
         max_log_len=args.max_log_len,
         limits=limits,
+        max_token_chars=longest_token_chars(engine.get_tokenizer()),
     )
 
 
@@ -204,6 +216,13 @@ def build_app(args: argparse.Namespace, engine: AsyncLLMEngine) -> FastAPI:
     app.state.ctx = ctx
     _add_exception_handlers(app)
     _add_routes(app, ctx)
+    mc = engine.config.model_config
+    request_limits = RequestLimits(
+        max_model_len=mc.max_model_len,
+        max_prompts=ctx.limits.max_queued_requests,
+        vocab_size=mc.spec.text.vocab_size,
+    )
+    app.add_middleware(RequestLimitsMiddleware, limits=request_limits)
     app.add_middleware(
         BodySizeLimitMiddleware,
         max_bytes=ctx.limits.max_request_body_bytes,

@@ -1,5 +1,5 @@
-"""ASGI middleware of the OpenAI server: the API-key check and the request-body limits (size
-and time)."""
+"""ASGI middleware of the OpenAI server: the API-key check, the request-body limits (size and
+time), and the per-request bounds the body validators read."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ from typing import Any
 from starlette.responses import JSONResponse
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from vllm.entrypoints.openai.request_checks import REQUEST_LIMITS, RequestLimits
 from vllm.entrypoints.openai.serving_engine import error_body
 
 
@@ -101,3 +102,19 @@ class BodySizeLimitMiddleware:
         body = error_body(message, "RequestTimeoutError", 408)
         response = JSONResponse(body, 408, headers={"Connection": "close"})
         await response(scope, receive, send)
+
+
+class RequestLimitsMiddleware:
+    """Makes this app's :class:`RequestLimits` visible to the request-body validators (which
+    run before any handler) for the duration of each request."""
+
+    def __init__(self, app: ASGIApp, limits: RequestLimits) -> None:
+        self.app = app
+        self.limits = limits
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        token = REQUEST_LIMITS.set(self.limits)
+        try:
+            await self.app(scope, receive, send)
+        finally:
+            REQUEST_LIMITS.reset(token)

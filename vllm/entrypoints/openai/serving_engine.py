@@ -87,6 +87,9 @@ class ServerContext:
     log_requests: bool = False
     max_log_len: int | None = None
     limits: ServerLimits = field(default_factory=ServerLimits)
+    # The longest token's text: a prompt of more than max_model_len times this many
+    # characters cannot fit, and is refused before it is tokenized.
+    max_token_chars: int = 64
 
     @property
     def max_model_len(self) -> int:
@@ -169,9 +172,22 @@ class OpenAIServing:
                 "chat_template",
             )
 
+    def check_prompt_chars(self, text: str) -> None:
+        """Refuses, before tokenizing it, a text too long to fit: every token covers at most
+        ``max_token_chars`` characters."""
+        limit = self.ctx.max_model_len * self.ctx.max_token_chars
+        if len(text) > limit:
+            raise bad_request(
+                f"This model's maximum context length is {self.ctx.max_model_len} tokens. "
+                f"However, the prompt has {len(text)} characters, more than any prompt of "
+                f"that many tokens ({limit}). Please reduce the length of the messages.",
+                "prompt",
+            )
+
 
     # ------------------------------------------------------------------ inputs
     async def tokenize_text(self, text: str, add_special_tokens: bool) -> list[int]:
+        self.check_prompt_chars(text)
         tok = self.ctx.tokenizer
         enc = await asyncio.to_thread(tok, text, add_special_tokens=add_special_tokens)
         return list(enc["input_ids"])
