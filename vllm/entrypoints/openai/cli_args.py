@@ -150,6 +150,9 @@ _LIMIT_FLAGS: tuple[tuple[str, type, object, str], ...] = (
      "VLLM_IMAGE_FETCH_TIMEOUT, else 5)."),
     ("--image-fetch-request-timeout", float, 10.0,
      "Seconds for all the images of one request."),
+    ("--max-logprob-entries", int, 1 << 18,
+     "Logprob entries one response may carry: n x max_tokens x (top_logprobs + 1), plus "
+     "prompt tokens x (prompt_logprobs + 1)."),
     ("--limit-concurrency", int, 2048,
      "Open connections the server keeps; one beyond is closed at once, and a request "
      "arriving at the limit gets a 503."),

@@ -8,6 +8,7 @@ client sent, independent of how an image is tiled.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import json
 import time
@@ -42,6 +43,7 @@ from vllm.entrypoints.openai.serving_engine import (
     OpenAIServingError,
     bad_request,
     error_body,
+    logprob_entries,
     truncate_prompt,
 )
 from vllm.entrypoints.openai.streaming import SSE_DONE, SSEResponse, sse_event
@@ -104,8 +106,12 @@ class OpenAIServingChat(OpenAIServing):
                 self._stream(request, gen, request_id, model, role, params, num_prompt)
             )
         (final,) = await self.collect_final([gen], raw_request)
-        body = self._response(final, request_id, model, role, params, num_prompt)
-        return JSONResponse(body.model_dump())
+        # Large logprob responses take a while to build and encode: off the event loop.
+        return await asyncio.to_thread(
+            lambda: JSONResponse(
+                self._response(final, request_id, model, role, params, num_prompt).model_dump()
+            )
+        )
 
     def _parse(self, request: ChatCompletionRequest) -> ParsedConversation:
         try:
@@ -149,6 +155,7 @@ class OpenAIServingChat(OpenAIServing):
         params = self.sampling_params(
             kwargs, max_tokens, self.ctx.max_model_len - len(ids), bool(request.stream)
         )
+        self.check_logprob_entries(logprob_entries(params, len(ids)))
         return prompt, params
 
     # ------------------------------------------------------------------ output shapes

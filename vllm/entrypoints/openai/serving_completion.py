@@ -7,6 +7,7 @@ so a bad prompt in a batch fails the whole call with a 400 and runs nothing.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import json
 import time
@@ -28,7 +29,12 @@ from vllm.entrypoints.openai.protocol import (
     random_id,
 )
 from vllm.entrypoints.openai.serving_chat import in_band_error, prompt_logprobs_json, token_text
-from vllm.entrypoints.openai.serving_engine import OpenAIServing, bad_request, truncate_prompt
+from vllm.entrypoints.openai.serving_engine import (
+    OpenAIServing,
+    bad_request,
+    logprob_entries,
+    truncate_prompt,
+)
 from vllm.entrypoints.openai.streaming import (
     SSE_DONE,
     SSEResponse,
@@ -65,6 +71,10 @@ class OpenAIServingCompletion(OpenAIServing):
     async def create_completion(self, request: CompletionRequest, raw_request: Request) -> Response:
         model = self.check_request(request)
         prepared = [await self._prepare(request, p) for p in _prompt_list(request.prompt)]
+        n = prepared[0].params.n
+        self.check_logprob_entries(
+            sum(logprob_entries(p.params, len(p.token_ids), n) for p in prepared)
+        )
         base_id = f"cmpl-{request.request_id}" if request.request_id else random_id("cmpl")
         gens = []
         for i, p in enumerate(prepared):
@@ -74,7 +84,12 @@ class OpenAIServingCompletion(OpenAIServing):
         if request.stream:
             return SSEResponse(self._stream(request, gens, prepared, base_id, model))
         finals = await self.collect_final(gens, raw_request)
-        return JSONResponse(self._response(request, finals, prepared, base_id, model).model_dump())
+        # Large logprob responses take a while to build and encode: off the event loop.
+        return await asyncio.to_thread(
+            lambda: JSONResponse(
+                self._response(request, finals, prepared, base_id, model).model_dump()
+            )
+        )
 
     async def _prepare(self, request: CompletionRequest, prompt: str | list[int]) -> _Prepared:
         if isinstance(prompt, str):

@@ -73,6 +73,18 @@ def bad_request(message: str, param: str | None = None) -> OpenAIServingError:
     return OpenAIServingError(message, 400, "BadRequestError", param)
 
 
+def logprob_entries(params: SamplingParams, num_prompt: int, prompt_copies: int = 1) -> int:
+    """Logprob entries a response for ``params`` may carry: per choice, per generated token,
+    the sampled token and the alternatives; per prompt token (``prompt_copies`` times: once
+    per choice in completions), the prompt token and its alternatives."""
+    entries = 0
+    if params.logprobs is not None:
+        entries += params.n * (params.max_tokens or 0) * (params.logprobs + 1)
+    if params.prompt_logprobs is not None:
+        entries += prompt_copies * num_prompt * (params.prompt_logprobs + 1)
+    return entries
+
+
 @dataclass
 class ServerContext:
     """State shared by every handler of one app."""
@@ -182,6 +194,17 @@ class OpenAIServing:
                 f"However, the prompt has {len(text)} characters, more than any prompt of "
                 f"that many tokens ({limit}). Please reduce the length of the messages.",
                 "prompt",
+            )
+
+    def check_logprob_entries(self, entries: int) -> None:
+        limit = self.ctx.limits.max_logprob_entries
+        if entries > limit:
+            raise bad_request(
+                f"The response would carry {entries} logprob entries (n x max_tokens x "
+                f"(logprobs + 1), plus prompt tokens x (prompt_logprobs + 1)), more than the "
+                f"limit of {limit} (--max-logprob-entries). Reduce n, max_tokens or "
+                "top_logprobs.",
+                "logprobs",
             )
 
 
