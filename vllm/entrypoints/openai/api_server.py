@@ -99,7 +99,7 @@ def _add_exception_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(OpenAIServingError)
     async def on_serving_error(_: Request, exc: OpenAIServingError) -> JSONResponse:
-        return JSONResponse(exc.body(), exc.status)
+        return JSONResponse(exc.body(), exc.status, headers=exc.headers)
 
     @app.exception_handler(EngineDeadError)
     async def on_engine_dead(_: Request, exc: EngineDeadError) -> JSONResponse:

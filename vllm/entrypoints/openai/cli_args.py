@@ -153,6 +153,11 @@ _LIMIT_FLAGS: tuple[tuple[str, type, object, str], ...] = (
     ("--max-logprob-entries", int, 1 << 18,
      "Logprob entries one response may carry: n x max_tokens x (top_logprobs + 1), plus "
      "prompt tokens x (prompt_logprobs + 1)."),
+    ("--max-queued-requests", int, 1024,
+     "Requests that may wait for the engine; beyond, a 503 with Retry-After."),
+    ("--max-queued-images", int, 256,
+     "Images that waiting requests may hold (decoded and tiled, in memory); beyond, a 503 "
+     "with Retry-After."),
     ("--limit-concurrency", int, 2048,
      "Open connections the server keeps; one beyond is closed at once, and a request "
      "arriving at the limit gets a 503."),

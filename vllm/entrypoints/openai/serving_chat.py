@@ -88,24 +88,29 @@ class OpenAIServingChat(OpenAIServing):
         model = self.check_request(request)
         self.check_chat_template(request.chat_template)
         parsed = self._parse(request)
-        prompt, params = await self._prepare(request, parsed)
-        processed = await self.process(prompt)
-        request_id = (
-            f"chatcmpl-{request.request_id}" if request.request_id else random_id("chatcmpl")
-        )
-        self.log_request(request_id, prompt.get("prompt"), prompt["prompt_token_ids"], params)
-        role = (
-            self.ctx.response_role
-            if request.add_generation_prompt
-            else str(request.messages[-1].get("role", "assistant"))
-        )
-        gen = self.generate(processed, params, request_id)
-        num_prompt = len(prompt["prompt_token_ids"])
-        if request.stream:
-            return SSEResponse(
-                self._stream(request, gen, request_id, model, role, params, num_prompt)
+        ticket = self.reserve(len(parsed.image_sources))  # before images are fetched
+        try:
+            prompt, params = await self._prepare(request, parsed)
+            processed = await self.process(prompt)
+            request_id = (
+                f"chatcmpl-{request.request_id}" if request.request_id else random_id("chatcmpl")
             )
-        (final,) = await self.collect_final([gen], raw_request)
+            self.log_request(request_id, prompt.get("prompt"), prompt["prompt_token_ids"], params)
+            role = (
+                self.ctx.response_role
+                if request.add_generation_prompt
+                else str(request.messages[-1].get("role", "assistant"))
+            )
+            gen = self.generate(processed, params, request_id, ticket)
+            num_prompt = len(prompt["prompt_token_ids"])
+            if request.stream:
+                body = self._stream(request, gen, request_id, model, role, params, num_prompt)
+                return SSEResponse(body, on_close=ticket.close)
+            (final,) = await self.collect_final([gen], raw_request)
+        except BaseException:
+            ticket.close()  # (a stream's ticket is closed by the engine or the response)
+            raise
+        ticket.close()
         # Large logprob responses take a while to build and encode: off the event loop.
         return await asyncio.to_thread(
             lambda: JSONResponse(

@@ -15,7 +15,12 @@ from typing import Any
 
 from starlette.requests import Request
 
-from vllm.engine.async_llm_engine import AsyncLLMEngine, EngineDeadError
+from vllm.engine.async_llm_engine import (
+    AsyncLLMEngine,
+    EngineDeadError,
+    QueueFullError,
+    QueueTicket,
+)
 from vllm.entrypoints.openai.metrics import ServerMetrics
 from vllm.entrypoints.openai.protocol import (
     ChatCompletionRequest,
@@ -41,12 +46,14 @@ class OpenAIServingError(Exception):
         status: int = 400,
         err_type: str = "BadRequestError",
         param: str | None = None,
+        headers: dict[str, str] | None = None,
     ) -> None:
         super().__init__(message)
         self.message = message
         self.status = status
         self.err_type = err_type
         self.param = param
+        self.headers = headers
 
     def body(self) -> dict[str, Any]:
         return error_body(self.message, self.err_type, self.status, self.param)
@@ -207,6 +214,21 @@ class OpenAIServing:
                 "logprobs",
             )
 
+    def reserve(self, images: int = 0) -> QueueTicket:
+        """A place in the engine's waiting queue, or a 503 with Retry-After."""
+        limits = self.ctx.limits
+        try:
+            return self.engine.reserve(
+                images, limits.max_queued_requests, limits.max_queued_images
+            )
+        except QueueFullError as e:
+            raise OpenAIServingError(
+                str(e),
+                503,
+                "ServiceUnavailableError",
+                headers={"Retry-After": str(e.retry_after)},
+            ) from None
+
 
     # ------------------------------------------------------------------ inputs
     async def tokenize_text(self, text: str, add_special_tokens: bool) -> list[int]:
@@ -297,6 +319,7 @@ class OpenAIServing:
         processed: Any,
         params: SamplingParams,
         request_id: str,
+        ticket: QueueTicket | None = None,
     ) -> AsyncGenerator[RequestOutput, None]:
         """The engine's output stream for one prompt (checked first: raises a 400)."""
         if params.prompt_logprobs is not None:
@@ -309,7 +332,7 @@ class OpenAIServing:
                     "token has no logit).",
                     "prompt_logprobs",
                 )
-        return self.engine.generate(None, params, request_id, processed=processed)
+        return self.engine.generate(None, params, request_id, processed=processed, ticket=ticket)
 
     async def collect_final(
         self, gens: list[AsyncGenerator[RequestOutput, None]], raw_request: Request
