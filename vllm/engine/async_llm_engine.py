@@ -182,7 +182,7 @@ class AsyncLLMEngine:
                 processed = await self.process_inputs(prompt)
             stream = _Stream(asyncio.get_running_loop())
             if request_id in self._streams:
-                raise ValueError(f"request id {request_id!r} is already in use")
+                raise ValueError("the request id is already in use")
             self._streams[request_id] = stream
             self._commands.put(_Add(request_id, processed, sampling_params, stream))
         except BaseException:

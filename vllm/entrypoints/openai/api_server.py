@@ -35,6 +35,7 @@ from vllm.entrypoints.openai.cli_args import make_arg_parser, validate_parsed_se
 from vllm.entrypoints.openai.http_limits import uvicorn_config
 from vllm.entrypoints.openai.metrics import CONTENT_TYPE, ServerMetrics
 from vllm.entrypoints.openai.middleware import (
+    PROTECTED_PREFIXES,
     APIKeyMiddleware,
     BodySizeLimitMiddleware,
     RequestLimitsMiddleware,
@@ -45,7 +46,7 @@ from vllm.entrypoints.openai.protocol import (
 )
 from vllm.entrypoints.openai.request_checks import RequestLimits
 from vllm.entrypoints.openai.server_limits import ServerLimits
-from vllm.entrypoints.openai.serving_chat import OpenAIServingChat
+from vllm.entrypoints.openai.serving_chat import OpenAIServingChat, internal_error
 from vllm.entrypoints.openai.serving_completion import OpenAIServingCompletion
 from vllm.entrypoints.openai.serving_engine import (
     ClientDisconnectedError,
@@ -107,10 +108,9 @@ def _add_exception_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(Exception)
     async def on_unexpected(_: Request, exc: Exception) -> JSONResponse:
+        # Its message may name files, addresses or internals: the client gets its type only.
         logger.error("Unexpected error while serving a request: %r", exc)
-        return JSONResponse(
-            error_body(f"Internal server error: {exc!r}", "InternalServerError", 500), 500
-        )
+        return JSONResponse(error_body(internal_error(exc), "InternalServerError", 500), 500)
 
     @app.exception_handler(ClientDisconnectedError)
     async def on_disconnect(_: Request, exc: ClientDisconnectedError) -> Response:
@@ -230,7 +230,10 @@ def build_app(args: argparse.Namespace, engine: AsyncLLMEngine) -> FastAPI:
     )
     api_key = args.api_key
     if api_key:
-        app.add_middleware(APIKeyMiddleware, api_key=api_key)
+        metrics = ("/metrics",) if getattr(args, "enable_metrics_auth", False) else ()
+        app.add_middleware(
+            APIKeyMiddleware, api_key=api_key, protected=(*PROTECTED_PREFIXES, *metrics)
+        )
     app.add_middleware(
         CORSMiddleware,
         allow_origins=args.allowed_origins,

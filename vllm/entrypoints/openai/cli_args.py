@@ -121,6 +121,12 @@ def make_arg_parser(
         action="store_true",
         help="Disable /docs, /redoc and /openapi.json.",
     )
+    g.add_argument(
+        "--enable-metrics-auth",
+        action="store_true",
+        help="With --api-key, /metrics requires the key too (default: open for scrapers). "
+        "/tokenize and /detokenize always require it.",
+    )
     add_server_limit_args(parser)
     add_engine_cli_args(parser, positional_model=positional_model)
     return parser

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import hmac
+from collections.abc import Iterable
 from typing import Any
 
 from starlette.responses import JSONResponse
@@ -13,25 +14,35 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from vllm.entrypoints.openai.request_checks import REQUEST_LIMITS, RequestLimits
 from vllm.entrypoints.openai.serving_engine import error_body
 
+# Paths that need the key when one is set: the API, and the tokenizer endpoints (they run the
+# chat template). /health, /version and (unless asked) /metrics stay open for probes.
+PROTECTED_PREFIXES = ("/v1", "/tokenize", "/detokenize")
+
 
 class APIKeyMiddleware:
-    """Requires ``Authorization: Bearer <key>`` on ``/v1/*`` (health and metrics stay open).
+    """Requires ``Authorization: Bearer <key>`` on the protected paths.
 
     Pure ASGI, so streamed responses and disconnect detection pass through untouched.
     """
 
-    def __init__(self, app: ASGIApp, api_key: str) -> None:
+    def __init__(
+        self, app: ASGIApp, api_key: str, protected: Iterable[str] = PROTECTED_PREFIXES
+    ) -> None:
         self.app = app
         self.expected = f"Bearer {api_key}".encode()
+        self.protected = tuple(protected)
 
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http" or scope.get("method") == "OPTIONS":
-            return await self.app(scope, receive, send)
+    def _needs_key(self, scope: Scope) -> bool:
         path = scope.get("path", "")
         root = scope.get("root_path", "")
         if root and path.startswith(root):
             path = path[len(root) :]
-        if not path.startswith("/v1"):
+        return path.startswith(self.protected)
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or scope.get("method") == "OPTIONS":
+            return await self.app(scope, receive, send)
+        if not self._needs_key(scope):
             return await self.app(scope, receive, send)
         given = b""
         for name, value in scope.get("headers", []):

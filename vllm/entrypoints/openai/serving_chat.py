@@ -55,6 +55,12 @@ from vllm.sequence import Logprob
 logger = init_logger(__name__)
 
 
+def internal_error(e: BaseException) -> str:
+    """What a client learns of an unexpected server error: its type. The message may name
+    files, addresses or other clients' requests; it goes to the server log only."""
+    return f"Internal server error ({type(e).__name__}; the details are in the server log)."
+
+
 def in_band_error(e: Exception) -> dict[str, Any]:
     """The error body sent inside an SSE stream once the 200 header has gone out."""
     if isinstance(e, OpenAIServingError):
@@ -64,7 +70,7 @@ def in_band_error(e: Exception) -> dict[str, Any]:
     if isinstance(e, EngineDeadError):
         return error_body(str(e), "InternalServerError", 500)
     logger.exception("Error while streaming a response")
-    return error_body(f"Internal server error: {e!r}", "InternalServerError", 500)
+    return error_body(internal_error(e), "InternalServerError", 500)
 
 
 def token_text(token_id: int, lp: Logprob | None, tokenizer: Any) -> str:
@@ -92,19 +98,20 @@ class OpenAIServingChat(OpenAIServing):
         try:
             prompt, params = await self._prepare(request, parsed)
             processed = await self.process(prompt)
-            request_id = (
+            response_id = (
                 f"chatcmpl-{request.request_id}" if request.request_id else random_id("chatcmpl")
             )
-            self.log_request(request_id, prompt.get("prompt"), prompt["prompt_token_ids"], params)
+            engine_id = self.engine_request_id(response_id, bool(request.request_id))
+            self.log_request(engine_id, prompt.get("prompt"), prompt["prompt_token_ids"], params)
             role = (
                 self.ctx.response_role
                 if request.add_generation_prompt
                 else str(request.messages[-1].get("role", "assistant"))
             )
-            gen = self.generate(processed, params, request_id, ticket)
+            gen = self.generate(processed, params, engine_id, ticket)
             num_prompt = len(prompt["prompt_token_ids"])
             if request.stream:
-                body = self._stream(request, gen, request_id, model, role, params, num_prompt)
+                body = self._stream(request, gen, response_id, model, role, params, num_prompt)
                 return SSEResponse(body, on_close=ticket.close)
             (final,) = await self.collect_final([gen], raw_request)
         except BaseException:
@@ -114,7 +121,7 @@ class OpenAIServingChat(OpenAIServing):
         # Large logprob responses take a while to build and encode: off the event loop.
         return await asyncio.to_thread(
             lambda: JSONResponse(
-                self._response(final, request_id, model, role, params, num_prompt).model_dump()
+                self._response(final, response_id, model, role, params, num_prompt).model_dump()
             )
         )
 

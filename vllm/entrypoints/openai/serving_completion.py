@@ -87,9 +87,10 @@ class OpenAIServingCompletion(OpenAIServing):
                 sum(logprob_entries(p.params, len(p.token_ids), n) for p in prepared)
             )
             base_id = f"cmpl-{request.request_id}" if request.request_id else random_id("cmpl")
+            engine_base = self.engine_request_id(base_id, bool(request.request_id))
             gens = []
             for i, (p, ticket) in enumerate(zip(prepared, tickets, strict=True)):
-                rid = f"{base_id}-{i}"
+                rid = f"{engine_base}-{i}"
                 self.log_request(rid, p.text, p.token_ids, p.params)
                 gens.append(self.generate(p.processed, p.params, rid, ticket))
             if request.stream:

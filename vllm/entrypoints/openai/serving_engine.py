@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import uuid
 from collections.abc import AsyncGenerator
 from dataclasses import dataclass, field
 from typing import Any
@@ -229,6 +230,11 @@ class OpenAIServing:
                 headers={"Retry-After": str(e.retry_after)},
             ) from None
 
+    @staticmethod
+    def engine_request_id(response_id: str, client_chose: bool) -> str:
+        """The engine's id for a request: a client's ``request_id`` gets a random suffix, so
+        that ids never collide (and a collision never tells one client about another's)."""
+        return f"{response_id}-{uuid.uuid4().hex[:12]}" if client_chose else response_id
 
     # ------------------------------------------------------------------ inputs
     async def tokenize_text(self, text: str, add_special_tokens: bool) -> list[int]:
