@@ -1,9 +1,11 @@
 """What a request's fields may cost before anything runs: list lengths bounded by the model
 (checked from the raw body, before any per-element walk, so a long list neither stalls the
-event loop nor grows the process). The attacks run beside ordinary requests, which must come
-back unchanged while /health answers."""
+event loop nor grows the process), and sampling values that float32 can hold. The attacks run
+beside ordinary requests, which must come back unchanged while /health answers."""
 
 from __future__ import annotations
+
+import math
 
 import httpx
 import pytest
@@ -58,3 +60,19 @@ def test_lone_surrogates_are_still_found_with_their_path(server: RunningServer) 
                    headers={"content-type": "application/json"}, timeout=30)
     assert r.status_code == 400
     assert r.json()["error"]["message"].startswith("messages[0].content[1].text: contains a lone")
+
+
+def test_float32_overflow_is_refused_or_clamped(server: RunningServer) -> None:
+    url = f"{server.url}/v1/completions"
+    for field, value in (("repetition_penalty", 1e-300), ("top_p", 1e-300)):
+        r = httpx.post(url, json={"prompt": "hi", "max_tokens": 2, field: value}, timeout=30)
+        assert r.status_code == 400 and "float32" in r.json()["error"]["message"], r.text
+    # logit_bias is clamped to [-100, 100] (OpenAI's range): token 5 wins, logprobs finite.
+    body = {"prompt": "hi", "max_tokens": 3, "temperature": 0.0, "logprobs": 1,
+            "logit_bias": {"5": 1e300}, "ignore_eos": True}
+    r = httpx.post(url, json=body, timeout=30)
+    assert r.status_code == 200, r.text
+    lp = r.json()["choices"][0]["logprobs"]
+    tok = server.engine.get_tokenizer()
+    assert lp["tokens"] == [tok.decode([5])] * 3
+    assert all(math.isfinite(v) for v in lp["token_logprobs"])

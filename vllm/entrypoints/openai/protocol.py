@@ -19,12 +19,15 @@ from vllm.entrypoints.openai.request_checks import (
     RequestLimits,
     check_content_parts,
     check_tokens,
+    clamp,
     find_lone_surrogate,
     too_long,
 )
 from vllm.sampling_params import MAX_STOP_CHARS, MAX_STOP_STRINGS
 
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
+# OpenAI's (and vLLM's) range for logit_bias values: larger ones are clamped to it.
+LOGIT_BIAS_LIMIT = 100.0
 
 # Request fields copied to SamplingParams under the same name when the client sent them.
 SAMPLING_FIELDS = (
@@ -209,13 +212,22 @@ class _SamplingRequest(OpenAIBaseModel):
                 )
 
     def sampling_kwargs(self) -> dict[str, Any]:
-        """SamplingParams keyword arguments for the fields the client set (and not to null)."""
+        """SamplingParams keyword arguments for the fields the client set (and not to null).
+
+        ``logit_bias`` values are clamped to [-100, 100] as OpenAI and vLLM document (a value
+        beyond float32's range would turn logits into NaN); NaN and infinity stay, for
+        SamplingParams to refuse."""
         sent = self.model_fields_set
-        return {
+        kwargs = {
             k: getattr(self, k)
             for k in SAMPLING_FIELDS
             if k in sent and getattr(self, k) is not None
         }
+        if "logit_bias" in kwargs:
+            kwargs["logit_bias"] = {
+                k: clamp(v, LOGIT_BIAS_LIMIT) for k, v in kwargs["logit_bias"].items()
+            }
+        return kwargs
 
     def unsupported_feature(self) -> str | None:
         """The name of a requested feature this server does not implement, if any."""

@@ -4,6 +4,7 @@ context). Both cost O(1) or O(containers) on the event loop, never a Python step
 
 from __future__ import annotations
 
+import math
 import re
 from collections.abc import Iterator
 from contextvars import ContextVar
@@ -109,6 +110,11 @@ def check_tokens(name: str, value: Any, max_model_len: int) -> None:
     if isinstance(value, list) and len(value) > max_model_len:
         why = f"the model's maximum context length is {max_model_len} tokens"
         raise too_long(name, len(value), max_model_len, why)
+
+
+def clamp(value: float, limit: float) -> float:
+    """``value`` within [-limit, limit]; NaN and infinities are left for validation to refuse."""
+    return max(-limit, min(limit, value)) if math.isfinite(value) else value
 
 
 def check_content_parts(messages: Any, max_model_len: int) -> None:
