@@ -87,7 +87,7 @@ class ServerLimits:
                 "--chat-template-timeout must be positive"
             ) from None
         return cls(
-            max_request_body_bytes=body or DEFAULT_MAX_REQUEST_BODY_BYTES,
+            max_request_body_bytes=DEFAULT_MAX_REQUEST_BODY_BYTES if body is None else body,
             trust_request_chat_template=bool(get("trust_request_chat_template", False)),
             chat_template_budget=budget,
             max_image_pixels=pixels,
