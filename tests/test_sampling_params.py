@@ -196,3 +196,46 @@ def test_clone_and_repr() -> None:
     assert copy.copy(params) == params
     text = repr(params)
     assert text.startswith("SamplingParams(") and "temperature=0.5" in text and "stop=['a']" in text
+
+
+# Finite in Python, not in float32 (the sampler's precision): NaN logits or token 0 repeated.
+FLOAT32_GARBAGE = [
+    ({"logit_bias": {5: 1e300}}, "logit_bias must be 0 or between"),
+    ({"repetition_penalty": 1e-300}, "repetition_penalty must be 0 or between"),
+    ({"repetition_penalty": 1e-38}, "repetition_penalty must be 0 or between"),
+    ({"repetition_penalty": 1e-31}, r"repetition_penalty must be in \[1e-30, 1e\+30\]"),
+    ({"top_p": 1e-300}, "top_p must be 0 or between"),
+    ({"temperature": 1e300}, "temperature must be 0 or between"),
+    ({"min_p": 1e-300}, "min_p must be 0 or between"),
+]
+
+
+@pytest.mark.parametrize("kwargs,match", FLOAT32_GARBAGE, ids=[str(k) for k, _ in FLOAT32_GARBAGE])
+def test_values_outside_float32_are_refused(kwargs: dict, match: str) -> None:
+    with pytest.raises(ValueError, match=match):
+        SamplingParams(**kwargs)
+
+
+def test_float32_edges_that_work_are_kept() -> None:
+    assert SamplingParams(temperature=1e-300).sampling_type == SamplingType.GREEDY
+    assert SamplingParams(logit_bias={5: -3e38}).logit_bias == {5: -3e38}
+    assert SamplingParams(repetition_penalty=1e-30).repetition_penalty == 1e-30
+
+
+@pytest.mark.parametrize(
+    "kwargs,match",
+    [
+        ({"stop": 5}, "stop must be a string or a list of strings, got 5"),
+        ({"stop": {"a": 1}}, "stop must be a string or a list of strings"),
+        ({"stop_token_ids": 3}, "stop_token_ids must be a list of token ids, got 3"),
+        ({"allowed_token_ids": 3}, "allowed_token_ids must be a list of token ids"),
+        ({"bad_words": 7}, "bad_words must be a list of strings"),
+        ({"stop": [f"s{i}" for i in range(65)]}, "stop has 65 strings; at most 64"),
+        ({"stop": ["x" * 3000, "y" * 3000]}, "6000 characters in total; at most 4096"),
+        ({"n": 1025, "temperature": 1.0}, "n must be at most 1024"),
+        ({"n": 2000, "best_of": 2000}, "n must be at most 1024"),
+    ],
+)
+def test_clear_messages_and_bounds_for_lists_and_counts(kwargs: dict, match: str) -> None:
+    with pytest.raises(ValueError, match=match):
+        SamplingParams(**kwargs)

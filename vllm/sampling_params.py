@@ -21,6 +21,19 @@ _SAMPLING_EPS = 1e-5
 # Largest ``logprobs`` / ``prompt_logprobs`` the engine serves (checked by the engine, which may
 # be configured with another cap; SamplingParams itself only checks for negatives).
 MAX_LOGPROBS = 20
+# Stop strings are matched against the new text after every token, so their number and size
+# bound per-token work: at most this many, of at most this many characters in all.
+MAX_STOP_STRINGS = 64
+MAX_STOP_CHARS = 4096
+# Each of the n sequences is a sequence the scheduler runs and the response carries.
+MAX_N = 1024
+# The sampler computes in float32: a value that is finite in Python may not be there (1e300
+# becomes inf, 1e-300 becomes 0), and the logits then turn into NaN or a constant token.
+FLOAT32_MAX = 3.4028234663852886e38
+FLOAT32_MIN_NORMAL = 1.1754943508222875e-38
+# Logits are divided (or multiplied) by the repetition penalty: beyond this range a logit of
+# a few units overflows float32.
+REPETITION_PENALTY_RANGE = (1e-30, 1e30)
 
 # HF ``generation_config.json`` keys applied as defaults, and the SamplingParams field each sets.
 _GENERATION_CONFIG_DEFAULTS = {
@@ -76,10 +89,20 @@ def _check_int(name: str, value: Any, minimum: int) -> None:
         raise ValueError(f"{name} must be an integer >= {minimum}, got {value!r}.")
 
 
-def _check_float(name: str, value: Any) -> float:
+def _check_float(name: str, value: Any, float32: bool = True) -> float:
+    """A number; with ``float32``, one that float32 holds as a finite value and does not
+    round to zero (the sampler's precision: see ``FLOAT32_MAX``)."""
     if isinstance(value, bool) or not isinstance(value, Real) or math.isnan(value):
         raise ValueError(f"{name} must be a number, got {value!r}.")
-    return float(value)
+    value = float(value)
+    if float32 and math.isfinite(value) and (
+        abs(value) > FLOAT32_MAX or 0 < abs(value) < FLOAT32_MIN_NORMAL
+    ):
+        raise ValueError(
+            f"{name} must be 0 or between {FLOAT32_MIN_NORMAL:.4g} and {FLOAT32_MAX:.4g} in "
+            f"magnitude (the sampler computes in float32), got {value!r}."
+        )
+    return value
 
 
 @_track_explicit_fields
@@ -130,13 +153,13 @@ class SamplingParams:
             self.seed = None
         if self.top_k == -1:
             self.top_k = 0
-        if isinstance(self.stop, str):
-            self.stop = [self.stop]
-        self.stop = [] if self.stop is None else list(self.stop)
-        self.stop_token_ids = [] if self.stop_token_ids is None else list(self.stop_token_ids)
-        self.bad_words = [] if self.bad_words is None else list(self.bad_words)
+        self.stop = _as_list("stop", self.stop, "a string or a list of strings", str)
+        self.stop_token_ids = _as_list("stop_token_ids", self.stop_token_ids, "a list of token ids")
+        self.bad_words = _as_list("bad_words", self.bad_words, "a list of strings", str)
         if self.allowed_token_ids is not None:
-            self.allowed_token_ids = list(self.allowed_token_ids)
+            self.allowed_token_ids = _as_list(
+                "allowed_token_ids", self.allowed_token_ids, "a list of token ids"
+            )
         if self.logit_bias is not None:
             try:
                 self.logit_bias = {int(k): v for k, v in self.logit_bias.items()}
@@ -161,6 +184,8 @@ class SamplingParams:
     # ------------------------------------------------------------------ validation
     def _verify(self) -> None:
         _check_int("n", self.n, 1)
+        if self.n > MAX_N:
+            raise ValueError(f"n must be at most {MAX_N}, got {self.n}.")
         if self.best_of is not None and self.best_of != self.n:
             raise ValueError(
                 f"best_of must equal n (best_of > n is not supported yet), "
@@ -169,13 +194,15 @@ class SamplingParams:
         for name in ("presence_penalty", "frequency_penalty"):
             if not -2.0 <= _check_float(name, getattr(self, name)) <= 2.0:
                 raise ValueError(f"{name} must be in [-2, 2], got {getattr(self, name)}.")
-        if not _check_float("repetition_penalty", self.repetition_penalty) > 0.0 or math.isinf(
-            self.repetition_penalty
-        ):
+        low, high = REPETITION_PENALTY_RANGE
+        if not low <= _check_float("repetition_penalty", self.repetition_penalty) <= high:
             raise ValueError(
-                f"repetition_penalty must be positive and finite, got {self.repetition_penalty}."
+                f"repetition_penalty must be in [{low:g}, {high:g}] (positive; logits are "
+                f"divided by it in float32), got {self.repetition_penalty}."
             )
-        if not math.isfinite(_check_float("temperature", self.temperature)):
+        # Below _SAMPLING_EPS decoding is greedy and the temperature is never used.
+        greedy = isinstance(self.temperature, Real) and self.temperature < _SAMPLING_EPS
+        if not math.isfinite(_check_float("temperature", self.temperature, not greedy)):
             raise ValueError(f"temperature must be finite, got {self.temperature}.")
         if self.temperature < 0.0:
             raise ValueError(f"temperature must be non-negative, got {self.temperature}.")
@@ -209,6 +236,15 @@ class SamplingParams:
     def _verify_token_options(self) -> None:
         if any(not isinstance(s, str) or not s for s in self.stop):
             raise ValueError(f"stop strings must be non-empty strings, got {self.stop!r}.")
+        if len(self.stop) > MAX_STOP_STRINGS:
+            raise ValueError(
+                f"stop has {len(self.stop)} strings; at most {MAX_STOP_STRINGS} are allowed."
+            )
+        if sum(len(s) for s in self.stop) > MAX_STOP_CHARS:
+            raise ValueError(
+                f"stop strings have {sum(len(s) for s in self.stop)} characters in total; at "
+                f"most {MAX_STOP_CHARS} are allowed."
+            )
         if self.stop and not self.detokenize:
             raise ValueError(
                 f"stop strings are only supported when detokenize is True, got stop={self.stop!r}."
@@ -287,6 +323,18 @@ class SamplingParams:
     def clone(self) -> SamplingParams:
         """A deep copy (explicitly-set fields and EOS ids included)."""
         return copy.deepcopy(self)
+
+
+def _as_list(name: str, value: Any, expected: str, scalar: type | None = None) -> list[Any]:
+    """``None`` -> [], a lone ``scalar`` -> [value], any other iterable -> a list; else a
+    ValueError naming the parameter (``stop=5`` is a mistake, not "int is not iterable")."""
+    if value is None:
+        return []
+    if scalar is not None and isinstance(value, scalar):
+        return [value]
+    if isinstance(value, (str, bytes, dict)) or not isinstance(value, Iterable):
+        raise ValueError(f"{name} must be {expected}, got {value!r}.")
+    return list(value)
 
 
 def _as_id_set(ids: int | Iterable[int] | None) -> frozenset[int]:

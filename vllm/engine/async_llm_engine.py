@@ -32,6 +32,62 @@ class EngineDeadError(RuntimeError):
     """The engine loop stopped on an error; no request can be served."""
 
 
+class QueueFullError(RuntimeError):
+    """Too many requests (or images) are waiting for the engine: retry later (a 503)."""
+
+    def __init__(self, message: str, retry_after: int = 1) -> None:
+        super().__init__(message)
+        self.retry_after = retry_after
+
+
+class QueueTicket:
+    """One admitted request's place in the waiting queue: it counts (with its images) until
+    the request produces its first output or ends; ``close`` is idempotent, and a ticket that
+    is dropped unclosed frees its place when it is collected."""
+
+    def __init__(self, owner: _QueueCounter, images: int) -> None:
+        self._owner: _QueueCounter | None = owner
+        self.images = images
+
+    def close(self) -> None:
+        owner, self._owner = self._owner, None
+        if owner is not None:
+            owner.release(self.images)
+
+    def __del__(self) -> None:
+        self.close()
+
+
+class _QueueCounter:
+    """Requests admitted but not yet started, and the images they hold (any thread)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self.requests = 0
+        self.images = 0
+
+    def reserve(self, images: int, max_requests: int | None, max_images: int | None) -> QueueTicket:
+        with self._lock:
+            if max_requests is not None and self.requests + 1 > max_requests:
+                raise QueueFullError(
+                    f"The server is busy: {self.requests} requests are already waiting "
+                    f"(--max-queued-requests {max_requests}). Retry later."
+                )
+            if max_images is not None and images and self.images + images > max_images:
+                raise QueueFullError(
+                    f"The server is busy: waiting requests already hold {self.images} images "
+                    f"(--max-queued-images {max_images}). Retry later."
+                )
+            self.requests += 1
+            self.images += images
+        return QueueTicket(self, images)
+
+    def release(self, images: int) -> None:
+        with self._lock:
+            self.requests -= 1
+            self.images -= images
+
+
 @dataclass
 class _Add:
     request_id: str
@@ -66,6 +122,7 @@ class AsyncLLMEngine:
         self._pool = ThreadPoolExecutor(max_workers=input_workers,
                                         thread_name_prefix="vllm-input")
         self.dead_error: BaseException | None = None
+        self._queue = _QueueCounter()
         self._stopping = False
         self._thread = threading.Thread(target=self._loop, name="vllm-engine", daemon=True)
         self._thread.start()
@@ -96,26 +153,48 @@ class AsyncLLMEngine:
     def config(self) -> Any:
         return self.engine.config
 
+    def reserve(self, images: int = 0, max_requests: int | None = None,
+                max_images: int | None = None) -> QueueTicket:
+        """A place in the waiting queue for one request holding ``images`` images, or
+        :class:`QueueFullError` when ``max_requests`` requests (or ``max_images`` images)
+        already wait; pass the ticket to :meth:`generate`, which closes it when the request
+        starts producing output or ends."""
+        return self._queue.reserve(images, max_requests, max_images)
+
+    @property
+    def num_queued(self) -> tuple[int, int]:
+        """(requests, images) admitted with a ticket and not started yet."""
+        return self._queue.requests, self._queue.images
+
     async def process_inputs(self, prompt: Any) -> Any:
         """Tokenises and processes images off the event loop (raises ValueError on bad input)."""
         loop = asyncio.get_running_loop()
         return await loop.run_in_executor(self._pool, self.engine.process_inputs, prompt)
 
     async def generate(self, prompt: Any, sampling_params: SamplingParams, request_id: str,
-                       processed: Any = None) -> AsyncIterator[RequestOutput]:
-        """Streams a request's outputs; aborts it if the consumer goes away."""
-        await self.check_health()
-        if processed is None:
-            processed = await self.process_inputs(prompt)
-        stream = _Stream(asyncio.get_running_loop())
-        if request_id in self._streams:
-            raise ValueError(f"request id {request_id!r} is already in use")
-        self._streams[request_id] = stream
-        self._commands.put(_Add(request_id, processed, sampling_params, stream))
+                       processed: Any = None,
+                       ticket: QueueTicket | None = None) -> AsyncIterator[RequestOutput]:
+        """Streams a request's outputs; aborts it if the consumer goes away. ``ticket`` (from
+        :meth:`reserve`) is closed at the first output, or when the stream ends."""
+        try:
+            await self.check_health()
+            if processed is None:
+                processed = await self.process_inputs(prompt)
+            stream = _Stream(asyncio.get_running_loop())
+            if request_id in self._streams:
+                raise ValueError("the request id is already in use")
+            self._streams[request_id] = stream
+            self._commands.put(_Add(request_id, processed, sampling_params, stream))
+        except BaseException:
+            if ticket is not None:
+                ticket.close()
+            raise
         finished = False
         try:
             while True:
                 item = await stream.queue.get()
+                if ticket is not None:
+                    ticket.close()  # it left the waiting queue (or failed)
                 if isinstance(item, BaseException):
                     raise item
                 finished = item.finished
@@ -123,6 +202,8 @@ class AsyncLLMEngine:
                 if finished:
                     return
         finally:
+            if ticket is not None:
+                ticket.close()
             self._streams.pop(request_id, None)
             if not finished:
                 self._commands.put(_Abort(request_id))

@@ -18,7 +18,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from vllm.multimodal.image import ImageMediaConnector
+from vllm.entrypoints.chat_template import ChatTemplateBudget, render_template
+from vllm.multimodal.image import ImageMediaConnector, check_image
 
 # Keys a request's chat_template_kwargs may not override (they are set from the request).
 _RESERVED_TEMPLATE_KWARGS = frozenset(
@@ -111,6 +112,93 @@ def parse_conversation(messages: Any) -> ParsedConversation:
     return ParsedConversation(out, images)
 
 
+def resolve_chat_template(tokenizer: Any, chat_template: str | None) -> str:
+    """The template source: ``chat_template`` (or the name of one of the tokenizer's), else
+    the tokenizer's own (its ``default`` when it has several)."""
+    own = getattr(tokenizer, "chat_template", None)
+    if isinstance(own, dict):
+        if chat_template is not None:
+            return own.get(chat_template, chat_template)
+        own = own.get("default")
+    source = chat_template if chat_template is not None else own
+    if not isinstance(source, str) or not source:
+        raise ValueError("The tokenizer has no chat template; pass one with --chat-template.")
+    return source
+
+
+def _plain(value: Any) -> Any:
+    """What a template may see: plain JSON types only (anything else becomes a placeholder,
+    so no object with methods the sandbox does not know reaches it)."""
+    if value is None or type(value) in (str, int, float, bool):
+        return value
+    for kind in (str, int, float):
+        if isinstance(value, kind):
+            return kind(value)
+    if isinstance(value, dict):
+        return {_plain(k): _plain(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_plain(v) for v in value]
+    return f"<{type(value).__name__}>"
+
+
+def _list_of_dicts(name: str, value: Any) -> list[dict[str, Any]] | None:
+    if value is None:
+        return None
+    if not isinstance(value, list) or not all(isinstance(v, dict) for v in value):
+        raise ValueError(f"chat_template_kwargs: {name} must be a list of objects.")
+    return value
+
+
+def _template_context(
+    tokenizer: Any,
+    messages: list[dict[str, Any]],
+    add_generation_prompt: bool,
+    kwargs: dict[str, Any],
+) -> dict[str, Any]:
+    """The special tokens, the request's kwargs, then the messages (None fields dropped)."""
+    context = dict(getattr(tokenizer, "special_tokens_map", None) or {})
+    context.update(kwargs)
+    context["tools"] = _list_of_dicts("tools", kwargs.get("tools"))
+    context["documents"] = _list_of_dicts("documents", kwargs.get("documents"))
+    context["messages"] = [{k: v for k, v in m.items() if v is not None} for m in messages]
+    context["add_generation_prompt"] = add_generation_prompt
+    try:
+        return _plain(context)
+    except RecursionError:
+        raise ValueError("The messages or chat_template_kwargs are nested too deeply.") from None
+
+
+_CONTINUE_TAG = "CONTINUE_FINAL_MESSAGE_TAG "
+
+
+def _mark_final_message(messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """``continue_final_message``: the last text of the final message gets a tag, so that the
+    rendered prompt can be cut right after it (whatever the template puts after a message)."""
+    last = dict(messages[-1])
+    content = last.get("content")
+    if isinstance(content, str):
+        last["content"] = content + _CONTINUE_TAG
+    elif isinstance(content, list):
+        parts = [dict(p) if isinstance(p, dict) else p for p in content]
+        texts = [p for p in parts if isinstance(p, dict) and isinstance(p.get("text"), str)]
+        if not texts:
+            raise ValueError("continue_final_message: the final message has no text to continue.")
+        texts[-1]["text"] += _CONTINUE_TAG
+        last["content"] = parts
+    else:
+        raise ValueError("continue_final_message: the final message has no text to continue.")
+    return [*messages[:-1], last]
+
+
+def _cut_after_final_message(text: str) -> str:
+    at = text.rfind(_CONTINUE_TAG.strip())
+    if at < 0:
+        raise ValueError(
+            "continue_final_message: the chat template did not render the final message."
+        )
+    return text[:at] if text.startswith(_CONTINUE_TAG, at) else text[:at].rstrip()
+
+
 def render_chat_prompt(
     tokenizer: Any,
     messages: list[dict[str, Any]],
@@ -118,35 +206,25 @@ def render_chat_prompt(
     add_generation_prompt: bool = True,
     continue_final_message: bool = False,
     chat_template_kwargs: dict[str, Any] | None = None,
+    budget: ChatTemplateBudget | None = None,
 ) -> str:
-    """Applies the chat template; template errors (``raise_exception``) become ValueError."""
-    import jinja2
-
-    if chat_template is None and not getattr(tokenizer, "chat_template", None):
-        raise ValueError("The tokenizer has no chat template; pass one with --chat-template.")
+    """Renders the chat template in the budgeted sandbox (see ``chat_template``); every
+    failure, budget overruns included, is a ``ValueError`` whose message suits the client."""
+    source = resolve_chat_template(tokenizer, chat_template)
     if add_generation_prompt and continue_final_message:
         raise ValueError(
             "Cannot set both `continue_final_message` and `add_generation_prompt` to true."
         )
+    if not messages:
+        raise ValueError("messages must be a non-empty list.")
     extra = {
         k: v for k, v in (chat_template_kwargs or {}).items() if k not in _RESERVED_TEMPLATE_KWARGS
     }
-    try:
-        text = tokenizer.apply_chat_template(
-            messages,
-            chat_template=chat_template,
-            add_generation_prompt=add_generation_prompt,
-            continue_final_message=continue_final_message,
-            tokenize=False,
-            **extra,
-        )
-    except jinja2.TemplateError as e:
-        raise ValueError(str(e)) from None
-    except (TypeError, ValueError) as e:  # e.g. a chat_template_kwargs value of a wrong type
-        raise ValueError(f"The chat template could not be rendered: {e}") from None
-    if not isinstance(text, str):
-        raise ValueError("The chat template did not render to a string.")
-    return text
+    if continue_final_message:
+        messages = _mark_final_message(messages)
+    context = _template_context(tokenizer, messages, add_generation_prompt, extra)
+    text = render_template(source, context, budget)
+    return _cut_after_final_message(text) if continue_final_message else text
 
 
 def tokenize_chat_prompt(tokenizer: Any, text: str, add_special_tokens: bool = False) -> list[int]:
@@ -169,6 +247,7 @@ def _render_and_tokenize(
     continue_final_message: bool,
     chat_template_kwargs: dict[str, Any] | None,
     add_special_tokens: bool,
+    budget: ChatTemplateBudget | None = None,
 ) -> tuple[str, list[int]]:
     text = render_chat_prompt(
         tokenizer,
@@ -177,6 +256,7 @@ def _render_and_tokenize(
         add_generation_prompt,
         continue_final_message,
         chat_template_kwargs,
+        budget,
     )
     return text, tokenize_chat_prompt(tokenizer, text, add_special_tokens)
 
@@ -204,7 +284,8 @@ def parse_chat_messages(
     )
     media = media or ImageMediaConnector()
     images = [
-        src if not isinstance(src, str) else media.fetch_image(src) for src in parsed.image_sources
+        check_image(src, f"image {i}") if not isinstance(src, str) else media.fetch_image(src)
+        for i, src in enumerate(parsed.image_sources)
     ]
     return make_prompt(ids, text, images)
 
@@ -218,9 +299,11 @@ async def parse_chat_messages_async(
     chat_template_kwargs: dict[str, Any] | None = None,
     continue_final_message: bool = False,
     add_special_tokens: bool = False,
+    budget: ChatTemplateBudget | None = None,
 ) -> dict[str, Any]:
-    """The server's path: the template and tokenizer run in a worker thread while the images
-    are fetched and decoded concurrently; nothing here blocks the event loop."""
+    """The server's path: the template (under ``budget``) and tokenizer run in a worker thread
+    while the images are fetched and decoded concurrently, all of them within the media
+    connector's per-request deadline; nothing here blocks the event loop."""
     for src in parsed.image_sources:
         if not isinstance(src, str):
             raise ValueError("image_pil parts are only supported offline; send image_url.")
@@ -233,11 +316,12 @@ async def parse_chat_messages_async(
         continue_final_message,
         chat_template_kwargs,
         add_special_tokens,
+        budget,
     )
-    fetches = [media.fetch_image_async(src) for src in parsed.image_sources]
-    results = await asyncio.gather(render, *fetches, return_exceptions=True)
-    for r in results:
+    fetches = media.fetch_images_async(parsed.image_sources)
+    rendered, images = await asyncio.gather(render, fetches, return_exceptions=True)
+    for r in (rendered, images):
         if isinstance(r, BaseException):
             raise r
-    text, ids = results[0]
-    return make_prompt(ids, text, list(results[1:]))
+    text, ids = rendered
+    return make_prompt(ids, text, images)

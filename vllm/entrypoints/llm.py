@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import itertools
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
+from numbers import Integral
 from typing import Any
 
 from vllm.engine.arg_utils import EngineArgs
 from vllm.engine.llm_engine import LLMEngine
+from vllm.multimodal.image import check_image
 from vllm.outputs import RequestOutput
 from vllm.sampling_params import RequestOutputKind, SamplingParams
 
@@ -46,9 +48,11 @@ class LLM:
                  | None = None, use_tqdm: bool = True) -> list[RequestOutput]:
         """Generates for one prompt or a list (strings, token-id dicts, multimodal dicts,
         explicit encoder/decoder dicts). Returns outputs in input order."""
-        if isinstance(prompts, (str, dict)):
-            prompts = [prompts]
+        if isinstance(prompts, (str, dict)) or not isinstance(prompts, Iterable):
+            prompts = [prompts]  # one prompt (checked below like any other)
         prompts = list(prompts)
+        for i, prompt in enumerate(prompts):
+            check_prompt(prompt, f"prompts[{i}]")
         params = self._params_list(sampling_params, len(prompts))
         ids = []
         try:
@@ -83,6 +87,16 @@ class LLM:
             sampling_params = self.get_default_sampling_params()
         if isinstance(sampling_params, SamplingParams):
             sampling_params = [sampling_params] * n
+        if isinstance(sampling_params, (dict, str)) or not isinstance(sampling_params, Sequence):
+            raise TypeError(
+                "sampling_params must be a SamplingParams or a list of them, got "
+                f"{type(sampling_params).__name__} (for a dict: SamplingParams(**d))."
+            )
+        for p in sampling_params:
+            if not isinstance(p, SamplingParams):
+                raise TypeError(
+                    f"sampling_params must hold SamplingParams, got {type(p).__name__}."
+                )
         params = list(sampling_params)
         if len(params) != n:
             raise ValueError(f"got {len(params)} sampling params for {n} prompts")
@@ -110,3 +124,37 @@ class LLM:
         if bar is not None:
             bar.close()
         return [results[i] for i in ids]
+
+
+def check_prompt(prompt: Any, where: str = "prompt") -> None:
+    """The offline prompt forms (see ``MllamaInputProcessor.process``), checked before the
+    engine sees them so that a mistake gets a message naming it: token ids must be integers
+    (1.7 is not silently truncated), ``multi_modal_data`` a dict of PIL images with pixels."""
+    if isinstance(prompt, str):
+        return
+    if not isinstance(prompt, dict):
+        raise TypeError(f"{where} must be a string or a dict, got {type(prompt).__name__}.")
+    for part in ("encoder_prompt", "decoder_prompt"):
+        if isinstance(prompt.get(part), dict):
+            check_prompt(prompt[part], f"{where}[{part!r}]")
+    ids = prompt.get("prompt_token_ids")
+    if ids is not None:
+        if isinstance(ids, (str, bytes, dict)) or not isinstance(ids, Sequence):
+            raise ValueError(f"{where}['prompt_token_ids'] must be a list of integers.")
+        bad = next((t for t in ids if isinstance(t, bool) or not isinstance(t, Integral)), None)
+        if bad is not None:
+            raise ValueError(
+                f"{where}['prompt_token_ids'] must be a list of integers, got {bad!r}."
+            )
+    mm = prompt.get("multi_modal_data")
+    if mm is None:
+        return
+    if not isinstance(mm, dict):
+        raise ValueError(
+            f"{where}['multi_modal_data'] must be a dict such as {{'image': image}} or "
+            f"{{'image': [image, ...]}}, got {type(mm).__name__}."
+        )
+    images = mm.get("image")
+    for j, img in enumerate(images if isinstance(images, (list, tuple)) else [images]):
+        if img is not None:
+            check_image(img, f"{where}['multi_modal_data']['image'][{j}]")

@@ -3,16 +3,24 @@
 Security rules for URLs a client names (the server fetches them on the client's behalf):
 
 * http(s) hosts are resolved first and every address must be public: loopback, private,
-  link-local, shared, reserved, multicast and unspecified addresses are refused unless the host
-  (name, address or CIDR) is on the allow-list (``--allowed-image-hosts`` or the comma-separated
-  env ``VLLM_ALLOWED_IMAGE_HOSTS``; ``*`` allows every host). The connection then goes to the
-  address that was checked (TLS still verifies the name), so a second DNS answer cannot swap in
-  a private address; redirects are followed by hand and each hop is checked the same way.
-* Fetches have a timeout (env ``VLLM_IMAGE_FETCH_TIMEOUT``, 5 s) and a size cap (env
-  ``VLLM_IMAGE_FETCH_MAX_BYTES``, 20 MiB), which also caps ``data:`` URLs.
-* Decoding reads the width and height from the image header first and refuses images over a
-  pixel limit (env ``VLLM_IMAGE_MAX_PIXELS``, 64 Mpx) before any pixel data is decoded.
-* ``file://`` URLs work only below ``--allowed-local-media-path``.
+  link-local, shared, reserved, multicast and unspecified addresses are refused, and so are
+  IPv6 forms that embed such an IPv4 address (mapped, translated, compatible, NAT64, 6to4,
+  Teredo), unless the host is on the allow-list (``--allowed-image-hosts`` or the
+  comma-separated env ``VLLM_ALLOWED_IMAGE_HOSTS``: names, addresses or CIDRs, each
+  optionally ``:port`` to allow that port only; ``*`` allows every host). The connection then
+  goes to the address that was checked (TLS still verifies the name), so a second DNS answer
+  cannot swap in a private address; redirects are followed by hand and each hop, port
+  included, is checked the same way.
+* A fetch has a total deadline (``--image-fetch-timeout``, env ``VLLM_IMAGE_FETCH_TIMEOUT``,
+  5 s: DNS, every redirect and the whole body), all images of one request another
+  (``--image-fetch-request-timeout``), and a size cap (env ``VLLM_IMAGE_FETCH_MAX_BYTES``,
+  20 MiB) that also caps ``data:`` URLs.
+* Decoding reads the width and height from the image header first; a JPEG larger than the
+  model can use is decoded at a reduced scale straight from its DCT (``draft``); an image whose
+  decoded size is over ``--max-image-pixels`` is refused before any pixel data is decoded; at
+  most ``--image-decode-concurrency`` images are decoded at once.
+* ``file://`` URLs work only below ``--allowed-local-media-path``; messages never show the
+  resolved path (which would reveal symlink targets, the process id or the working folder).
 
 Every failure is a ``ValueError`` whose message can be shown to the client.
 """
@@ -22,9 +30,11 @@ from __future__ import annotations
 import asyncio
 import base64
 import binascii
+import contextlib
 import io
-import ipaddress
+import math
 import socket
+import time
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
@@ -33,12 +43,18 @@ from urllib.parse import unquote, urlparse
 import httpx
 
 from vllm import envs
+from vllm.multimodal.image_policy import HostPolicy
 
 DEFAULT_MAX_IMAGE_BYTES: int = envs.VARIABLES["VLLM_IMAGE_FETCH_MAX_BYTES"].default
+# The server's default pixel cap: 16 Mpx (4096 x 4096) is 13x what the model sees (at most 4
+# tiles of 560 x 560) and keeps one PNG's decode near a second of CPU.
+DEFAULT_MAX_IMAGE_PIXELS = 16 << 20
+DEFAULT_DECODE_CONCURRENCY = 2
+DEFAULT_REQUEST_FETCH_TIMEOUT = 10.0
+# The longest side the model uses: 4 tiles of 560 px in a row. JPEGs at least twice this size
+# decode at 1/2, 1/4 or 1/8 scale, never below it.
+MODEL_MAX_SIDE = 2240
 MAX_REDIRECTS = 3
-
-IPAddress = ipaddress.IPv4Address | ipaddress.IPv6Address
-IPNetwork = ipaddress.IPv4Network | ipaddress.IPv6Network
 
 
 def max_image_pixels() -> int:
@@ -49,8 +65,20 @@ def max_image_pixels() -> int:
 def _too_many_pixels(width: int, height: int, limit: int) -> ValueError:
     return ValueError(
         f"The image is too large: {width}x{height} = {width * height} pixels, more than the "
-        f"limit of {limit} pixels per image."
+        f"limit of {limit} pixels per image (--max-image-pixels)."
     )
+
+
+def check_image(img: Any, where: str = "image") -> Any:
+    """An offline image: a ``PIL.Image`` with at least one pixel (raises ValueError)."""
+    from PIL import Image
+
+    if not isinstance(img, Image.Image):
+        raise ValueError(f"{where} must be a PIL.Image.Image, got {type(img).__name__}.")
+    width, height = img.size
+    if width <= 0 or height <= 0:
+        raise ValueError(f"{where} has no pixels ({width}x{height}).")
+    return img
 
 
 def decode_image(data: bytes, max_pixels: int | None = None) -> Any:
@@ -74,13 +102,26 @@ def decode_image(data: bytes, max_pixels: int | None = None) -> Any:
         raise ValueError(f"Failed to load the image: {_pil_message(e)}") from None
     with img:
         width, height = img.size
-        if width * height > limit:
+        if width <= 0 or height <= 0:
+            raise ValueError(f"Failed to load the image: it has no pixels ({width}x{height}).")
+        _draft(img, width, height)
+        if img.size[0] * img.size[1] > limit:
             raise _too_many_pixels(width, height, limit)
         try:
             img.load()
             return img.convert("RGB")
         except Exception as e:
             raise ValueError(f"Failed to load the image: {_pil_message(e)}") from None
+
+
+def _draft(img: Any, width: int, height: int) -> None:
+    """Asks a JPEG decoder for a reduced scale when the image is at least twice the size the
+    model uses (other formats ignore it; the result is never smaller than that size)."""
+    scale = MODEL_MAX_SIDE / max(width, height)
+    if scale <= 0.5:
+        # A decoder that cannot draft decodes at full size, under the same pixel cap.
+        with contextlib.suppress(OSError, ValueError):
+            img.draft("RGB", (math.ceil(width * scale), math.ceil(height * scale)))
 
 
 def _pil_message(e: Exception) -> str:
@@ -108,23 +149,10 @@ def parse_data_url(url: str, max_bytes: int = DEFAULT_MAX_IMAGE_BYTES) -> bytes:
         raise ValueError("Invalid base64 image data in data URL.") from None
 
 
-def _parse_allow_entry(entry: str) -> str | IPNetwork:
-    try:
-        return ipaddress.ip_network(entry, strict=False)
-    except ValueError:
-        return entry.lower()
-
-
-def _is_public(ip: IPAddress) -> bool:
-    if isinstance(ip, ipaddress.IPv6Address) and ip.ipv4_mapped is not None:
-        ip = ip.ipv4_mapped
-    return ip.is_global and not ip.is_multicast
-
-
 class ImageMediaConnector:
     """Fetches and decodes the images of chat requests under the rules in the module docstring.
 
-    ``fetch_image_async`` never blocks the event loop (httpx.AsyncClient, and decoding in a
+    ``fetch_images_async`` never blocks the event loop (httpx.AsyncClient, and decoding in a
     worker thread); ``fetch_image`` is the blocking twin for offline ``LLM.chat``.
     """
 
@@ -135,6 +163,8 @@ class ImageMediaConnector:
         timeout: float | None = None,
         max_bytes: int | None = None,
         max_pixels: int | None = None,
+        request_timeout: float = DEFAULT_REQUEST_FETCH_TIMEOUT,
+        decode_concurrency: int = DEFAULT_DECODE_CONCURRENCY,
     ) -> None:
         self.local_root = (
             Path(allowed_local_media_path).resolve() if allowed_local_media_path else None
@@ -143,82 +173,47 @@ class ImageMediaConnector:
             raise ValueError(
                 f"--allowed-local-media-path {allowed_local_media_path!r} is not a directory"
             )
-        env_hosts = envs.VLLM_ALLOWED_IMAGE_HOSTS
-        entries = [e.strip() for e in [*(allowed_hosts or ()), *env_hosts] if e.strip()]
-        self.allow_all = "*" in entries
-        self.allowed = [_parse_allow_entry(e) for e in entries if e != "*"]
+        self.policy = HostPolicy([*(allowed_hosts or ()), *envs.VLLM_ALLOWED_IMAGE_HOSTS])
         self.timeout = timeout if timeout is not None else envs.VLLM_IMAGE_FETCH_TIMEOUT
         self.max_bytes = max_bytes if max_bytes is not None else envs.VLLM_IMAGE_FETCH_MAX_BYTES
         self.max_pixels = max_pixels if max_pixels is not None else max_image_pixels()
+        for name, value in (
+            ("fetch timeout", self.timeout),
+            ("fetch byte limit", self.max_bytes),
+            ("pixel limit", self.max_pixels),
+            ("request fetch timeout", request_timeout),
+        ):
+            if not value > 0:
+                raise ValueError(f"The image {name} must be positive, got {value}.")
+        if decode_concurrency < 1:
+            raise ValueError(f"--image-decode-concurrency must be >= 1, got {decode_concurrency}")
+        self.request_timeout = request_timeout
+        self.decode_concurrency = decode_concurrency
+        self._gates: dict[asyncio.AbstractEventLoop, asyncio.Semaphore] = {}
 
-    # ------------------------------------------------------------------ policy
-    def _host_allowed(self, host: str, ip: IPAddress) -> bool:
-        if self.allow_all or _is_public(ip):
-            return True
-        for entry in self.allowed:
-            if isinstance(entry, str):
-                if entry == host.lower():
-                    return True
-            elif ip.version == entry.version and ip in entry:
-                return True
-        return False
-
-    def _pick_address(self, host: str, infos: list[tuple[Any, ...]]) -> str:
-        """The first resolved address, after checking that every one is allowed."""
-        addrs = [str(info[4][0]).split("%")[0] for info in infos]
-        if not addrs:
-            raise ValueError(f"Cannot resolve image host {host!r}.")
-        for addr in addrs:
-            if not self._host_allowed(host, ipaddress.ip_address(addr)):
-                raise ValueError(
-                    f"Fetching images from {host!r} is not allowed: it resolves "
-                    "to a private, loopback or otherwise non-public address."
-                )
-        return addrs[0]
-
-    @staticmethod
-    def _check_http_url(url: str) -> httpx.URL:
-        try:
-            parsed = httpx.URL(url)
-        except (httpx.InvalidURL, TypeError):
-            raise ValueError(f"Invalid image URL: {url!r}") from None
-        if parsed.scheme not in ("http", "https") or not parsed.host:
-            raise ValueError(f"Invalid image URL: {url!r}")
-        return parsed
-
-    @staticmethod
-    def _pinned(url: httpx.URL, addr: str) -> tuple[httpx.URL, dict[str, str], dict[str, Any]]:
-        """The request aimed at the checked address, keeping Host and the TLS server name."""
-        host = f"[{url.host}]" if ":" in url.host else url.host
-        host_header = host if url.port is None else f"{host}:{url.port}"
-        headers = {"Host": host_header, "Accept": "image/*"}
-        extensions = {"sni_hostname": url.host} if url.scheme == "https" else {}
-        return url.copy_with(host=addr), headers, extensions
-
+    # ------------------------------------------------------------------ local files
     def _local_path(self, url: str) -> Path:
         if self.local_root is None:
             raise ValueError("Cannot load local files without `--allowed-local-media-path`.")
         path = Path(unquote(urlparse(url).path)).resolve()
+        # The messages name neither the resolved path nor the root: a symlink's target, a
+        # /proc/self link's process id or the working folder are not the client's business.
         if not path.is_relative_to(self.local_root):
-            raise ValueError(
-                f"The file path {path} must be a subpath of "
-                f"`--allowed-local-media-path` {self.local_root}."
-            )
+            raise ValueError("The file path must be a subpath of `--allowed-local-media-path`.")
         if not path.is_file():
-            raise ValueError(f"Image file not found: {path}")
+            raise ValueError("Image file not found below `--allowed-local-media-path`.")
         if path.stat().st_size > self.max_bytes:
-            raise ValueError(f"The image is larger than the limit of {self.max_bytes} bytes.")
+            raise self._too_big()
         return path
-
-    def _next_url(self, url: httpx.URL, response: httpx.Response) -> httpx.URL | None:
-        if response.status_code in (301, 302, 303, 307, 308) and "location" in response.headers:
-            return url.join(response.headers["location"])
-        if response.status_code != 200:
-            raise ValueError(f"Failed to fetch image from {url}: HTTP {response.status_code}.")
-        return None
 
     def _too_big(self) -> ValueError:
         return ValueError(f"The image is larger than the limit of {self.max_bytes} bytes.")
+
+    def _timed_out(self, url: str) -> ValueError:
+        return ValueError(
+            f"Timed out fetching image from {url} after {self.timeout:g} s "
+            "(--image-fetch-timeout, for the whole fetch)."
+        )
 
     # ------------------------------------------------------------------ async
     async def fetch_bytes_async(self, url: str) -> bytes:
@@ -227,7 +222,14 @@ class ImageMediaConnector:
             return parse_data_url(url, self.max_bytes)
         if url.startswith("file:"):
             return await asyncio.to_thread(lambda: self._local_path(url).read_bytes())
-        target = self._check_http_url(url)
+        try:
+            async with asyncio.timeout(self.timeout):  # DNS, redirects and body together
+                return await self._fetch_http_async(url)
+        except TimeoutError:
+            raise self._timed_out(url) from None
+
+    async def _fetch_http_async(self, url: str) -> bytes:
+        target = self.policy.check_url(url)
         loop = asyncio.get_running_loop()
         async with httpx.AsyncClient(
             timeout=self.timeout, follow_redirects=False, trust_env=False
@@ -239,22 +241,21 @@ class ImageMediaConnector:
                     )
                 except OSError:
                     raise ValueError(f"Cannot resolve image host {target.host!r}.") from None
-                addr = self._pick_address(target.host, infos)
-                pinned, headers, ext = self._pinned(target, addr)
+                pinned, headers, ext = self.policy.pin(target, infos)
                 try:
                     async with client.stream(
                         "GET", pinned, headers=headers, extensions=ext
                     ) as resp:
-                        nxt = self._next_url(target, resp)
+                        nxt = self.policy.next_url(target, resp)
                         if nxt is None:
                             return await self._read_limited_async(resp)
                 except httpx.TimeoutException:
-                    raise ValueError(
-                        f"Timed out fetching image from {url} after {self.timeout:g} s."
-                    ) from None
+                    raise self._timed_out(url) from None
                 except httpx.HTTPError as e:
                     raise ValueError(f"Failed to fetch image from {url}: {e}") from None
-                target = self._check_http_url(str(nxt))
+                except httpx.InvalidURL:  # httpx parses a redirect's Location itself
+                    raise ValueError(f"Invalid redirect fetching image from {url}.") from None
+                target = nxt
         raise ValueError(f"Too many redirects fetching image from {url}.")
 
     async def _read_limited_async(self, resp: httpx.Response) -> bytes:
@@ -266,20 +267,48 @@ class ImageMediaConnector:
             chunks.append(chunk)
         return b"".join(chunks)
 
+    def _decode_gate(self) -> asyncio.Semaphore:
+        loop = asyncio.get_running_loop()
+        gate = self._gates.get(loop)
+        if gate is None:
+            self._gates = {lp: g for lp, g in self._gates.items() if not lp.is_closed()}
+            gate = self._gates[loop] = asyncio.Semaphore(self.decode_concurrency)
+        return gate
+
     async def fetch_image_async(self, url: str) -> Any:
-        """Fetches and decodes one image; decoding runs in a worker thread."""
+        """Fetches and decodes one image; decoding runs in a worker thread, a few at a time
+        (each holds a full-size bitmap while it runs)."""
         data = await self.fetch_bytes_async(url)
-        return await asyncio.to_thread(decode_image, data, self.max_pixels)
+        async with self._decode_gate():
+            return await asyncio.to_thread(decode_image, data, self.max_pixels)
+
+    async def fetch_images_async(self, urls: list[str]) -> list[Any]:
+        """All images of one request, concurrently, within ``request_timeout`` in all; the
+        first failure cancels the rest."""
+        if not urls:
+            return []
+        try:
+            async with asyncio.timeout(self.request_timeout), asyncio.TaskGroup() as tg:
+                tasks = [tg.create_task(self.fetch_image_async(u)) for u in urls]
+        except TimeoutError:
+            raise ValueError(
+                f"Timed out fetching the request's images after {self.request_timeout:g} s "
+                "(--image-fetch-request-timeout)."
+            ) from None
+        except BaseExceptionGroup as eg:
+            raise eg.exceptions[0] from None
+        return [t.result() for t in tasks]
 
     # ------------------------------------------------------------------ blocking
     def fetch_bytes(self, url: str) -> bytes:
-        """Blocking :meth:`fetch_bytes_async` (offline use)."""
+        """Blocking :meth:`fetch_bytes_async` (offline use), under the same total deadline."""
         if url.startswith("data:"):
             return parse_data_url(url, self.max_bytes)
         if url.startswith("file:"):
             return self._local_path(url).read_bytes()
-        target = self._check_http_url(url)
-        with httpx.Client(timeout=self.timeout, follow_redirects=False, trust_env=False) as client:
+        deadline = time.monotonic() + self.timeout
+        target = self.policy.check_url(url)
+        with httpx.Client(follow_redirects=False, trust_env=False) as client:
             for _ in range(MAX_REDIRECTS + 1):
                 try:
                     infos = socket.getaddrinfo(
@@ -287,26 +316,51 @@ class ImageMediaConnector:
                     )
                 except OSError:
                     raise ValueError(f"Cannot resolve image host {target.host!r}.") from None
-                pinned, headers, ext = self._pinned(target, self._pick_address(target.host, infos))
+                pinned, headers, ext = self.policy.pin(target, infos)
                 try:
-                    with client.stream("GET", pinned, headers=headers, extensions=ext) as resp:
-                        nxt = self._next_url(target, resp)
-                        if nxt is None:
-                            chunks, total = [], 0
-                            for chunk in resp.iter_bytes():
-                                total += len(chunk)
-                                if total > self.max_bytes:
-                                    raise self._too_big()
-                                chunks.append(chunk)
-                            return b"".join(chunks)
+                    nxt, data = self._get_blocking(client, pinned, headers, ext, target, deadline)
                 except httpx.TimeoutException:
-                    raise ValueError(
-                        f"Timed out fetching image from {url} after {self.timeout:g} s."
-                    ) from None
+                    raise self._timed_out(url) from None
                 except httpx.HTTPError as e:
                     raise ValueError(f"Failed to fetch image from {url}: {e}") from None
-                target = self._check_http_url(str(nxt))
+                except httpx.InvalidURL:  # httpx parses a redirect's Location itself
+                    raise ValueError(f"Invalid redirect fetching image from {url}.") from None
+                if nxt is None:
+                    return data
+                target = nxt
         raise ValueError(f"Too many redirects fetching image from {url}.")
+
+    def _get_blocking(
+        self,
+        client: httpx.Client,
+        pinned: httpx.URL,
+        headers: dict[str, str],
+        ext: dict[str, Any],
+        target: httpx.URL,
+        deadline: float,
+    ) -> tuple[httpx.URL | None, bytes]:
+        """One hop: every wait is bounded by what is left of the deadline."""
+
+        def remaining() -> float:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise httpx.ReadTimeout("deadline")
+            return left
+
+        with client.stream(
+            "GET", pinned, headers=headers, extensions=ext, timeout=remaining()
+        ) as resp:
+            nxt = self.policy.next_url(target, resp)
+            if nxt is not None:
+                return nxt, b""
+            chunks, total = [], 0
+            for chunk in resp.iter_bytes():
+                remaining()
+                total += len(chunk)
+                if total > self.max_bytes:
+                    raise self._too_big()
+                chunks.append(chunk)
+            return None, b"".join(chunks)
 
     def fetch_image(self, url: str) -> Any:
         return decode_image(self.fetch_bytes(url), self.max_pixels)

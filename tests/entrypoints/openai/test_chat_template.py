@@ -105,12 +105,14 @@ def test_server_chat_template_override(engine: AsyncLLMEngine) -> None:
     )
     assert r.status_code == 200 and r.json()["choices"][0]["message"]["role"] == "bot"
     assert r.json()["usage"]["prompt_tokens"] == tok["count"]
-    # A per-request template wins over --chat-template.
-    r = _call(
-        app,
-        "/tokenize",
-        {"messages": [{"role": "user", "content": "q"}], "chat_template": "{{ bos_token }}X"},
+    # A per-request template is refused unless the server trusts them; then it wins.
+    body = {"messages": [{"role": "user", "content": "q"}], "chat_template": "{{ bos_token }}X"}
+    r = _call(app, "/tokenize", body)
+    assert r.status_code == 400 and "--trust-request-chat-template" in r.text
+    trusting = build_app(
+        parse_server_args(["--chat-template", INLINE, "--trust-request-chat-template"]), engine
     )
+    r = _call(trusting, "/tokenize", body)
     assert engine.get_tokenizer().decode(r.json()["tokens"]) == "<|begin_of_text|>X"
 
 

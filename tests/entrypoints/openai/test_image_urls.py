@@ -18,6 +18,7 @@ from openai_server_utils import MODEL, RunningServer, image_message, png_bytes, 
 
 from vllm.engine.async_llm_engine import AsyncLLMEngine
 from vllm.multimodal.image import ImageMediaConnector, parse_data_url
+from vllm.multimodal.image_policy import pinned_request
 
 PNG = png_bytes((20, 20))
 
@@ -158,11 +159,11 @@ def test_size_and_time_limits(image_host: str) -> None:
     ],
 )
 def test_private_addresses_denied(addr: str, public: bool) -> None:
-    connector = ImageMediaConnector()
-    assert connector._host_allowed("example.test", ipaddress.ip_address(addr)) is public
-    assert ImageMediaConnector(allowed_hosts=["*"])._host_allowed("h", ipaddress.ip_address(addr))
-    assert ImageMediaConnector(allowed_hosts=["internal.test"])._host_allowed(
-        "internal.test", ipaddress.ip_address(addr)
+    ip = ipaddress.ip_address(addr)
+    assert ImageMediaConnector().policy.allows("example.test", ip, 80) is public
+    assert ImageMediaConnector(allowed_hosts=["*"]).policy.allows("h", ip, 80)
+    assert ImageMediaConnector(allowed_hosts=["internal.test"]).policy.allows(
+        "internal.test", ip, 8080
     )
 
 
@@ -189,7 +190,7 @@ def test_unsupported_part_type(client: openai.OpenAI) -> None:
 
 
 def test_requests_are_pinned_to_the_checked_address() -> None:
-    pin = ImageMediaConnector._pinned
+    pin = pinned_request
     url, headers, ext = pin(httpx.URL("https://images.example/a.png?x=1"), "93.184.216.34")
     assert str(url) == "https://93.184.216.34/a.png?x=1"
     assert headers["Host"] == "images.example" and ext == {"sni_hostname": "images.example"}

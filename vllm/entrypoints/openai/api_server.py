@@ -8,7 +8,8 @@ engine and serves until interrupted. Run it as ``vllm serve MODEL`` or
 Shutdown (SIGTERM or Ctrl-C): the listening socket closes at once; in-flight requests get
 ``--shutdown-timeout`` seconds (default 0) to finish, then the engine stops and the rest end
 with a clean error (a 500 body, or an in-band SSE error followed by ``[DONE]``); the process
-then exits with status 0. Request bodies over ``--max-request-body-bytes`` get a 413.
+then exits with status 0. Every cost a request can cause is bounded (body size and time,
+headers, connections, queue, templates, images, response size): see docs/security.md.
 """
 
 from __future__ import annotations
@@ -28,17 +29,26 @@ from fastapi.middleware.cors import CORSMiddleware
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.responses import JSONResponse, Response
 
-from vllm import envs
+from vllm.engine.arg_utils import EngineArgs
 from vllm.engine.async_llm_engine import AsyncLLMEngine, EngineDeadError
+from vllm.engine.cli_args import FlexibleArgumentParser
 from vllm.entrypoints.chat_utils import load_chat_template
 from vllm.entrypoints.openai.cli_args import make_arg_parser, validate_parsed_serve_args
+from vllm.entrypoints.openai.http_limits import uvicorn_config
 from vllm.entrypoints.openai.metrics import CONTENT_TYPE, ServerMetrics
-from vllm.entrypoints.openai.middleware import APIKeyMiddleware, BodySizeLimitMiddleware
+from vllm.entrypoints.openai.middleware import (
+    PROTECTED_PREFIXES,
+    APIKeyMiddleware,
+    BodySizeLimitMiddleware,
+    RequestLimitsMiddleware,
+)
 from vllm.entrypoints.openai.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
 )
-from vllm.entrypoints.openai.serving_chat import OpenAIServingChat
+from vllm.entrypoints.openai.request_checks import RequestLimits
+from vllm.entrypoints.openai.server_limits import ServerLimits
+from vllm.entrypoints.openai.serving_chat import OpenAIServingChat, internal_error
 from vllm.entrypoints.openai.serving_completion import OpenAIServingCompletion
 from vllm.entrypoints.openai.serving_engine import (
     ClientDisconnectedError,
@@ -57,8 +67,6 @@ from vllm.multimodal.image import ImageMediaConnector
 from vllm.version import __version__
 
 logger = init_logger("vllm.entrypoints.openai.api_server")
-
-DEFAULT_MAX_REQUEST_BODY_BYTES = 32 << 20  # a 20 MiB image as base64, with room to spare
 
 
 def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
@@ -94,7 +102,7 @@ def _add_exception_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(OpenAIServingError)
     async def on_serving_error(_: Request, exc: OpenAIServingError) -> JSONResponse:
-        return JSONResponse(exc.body(), exc.status)
+        return JSONResponse(exc.body(), exc.status, headers=exc.headers)
 
     @app.exception_handler(EngineDeadError)
     async def on_engine_dead(_: Request, exc: EngineDeadError) -> JSONResponse:
@@ -102,30 +110,52 @@ def _add_exception_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(Exception)
     async def on_unexpected(_: Request, exc: Exception) -> JSONResponse:
+        # Its message may name files, addresses or internals: the client gets its type only.
         logger.error("Unexpected error while serving a request: %r", exc)
-        return JSONResponse(
-            error_body(f"Internal server error: {exc!r}", "InternalServerError", 500), 500
-        )
+        return JSONResponse(error_body(internal_error(exc), "InternalServerError", 500), 500)
 
     @app.exception_handler(ClientDisconnectedError)
     async def on_disconnect(_: Request, exc: ClientDisconnectedError) -> Response:
         return Response(status_code=499)  # nobody is listening any more
 
 
+def media_connector(args: argparse.Namespace, limits: ServerLimits) -> ImageMediaConnector:
+    return ImageMediaConnector(
+        args.allowed_local_media_path,
+        args.allowed_image_hosts,
+        timeout=limits.image_fetch_timeout,
+        max_pixels=limits.max_image_pixels,
+        request_timeout=limits.image_fetch_request_timeout,
+        decode_concurrency=limits.image_decode_concurrency,
+    )
+
+
+def longest_token_chars(tokenizer: Any) -> int:
+    """Characters of the longest token (its vocabulary form: a byte-level token has one
+    character per byte, never fewer than its text)."""
+    try:
+        return max(1, max(map(len, tokenizer.get_vocab())))
+    except (AttributeError, TypeError, ValueError):
+        return 64
+
+
 def build_server_context(args: argparse.Namespace, engine: AsyncLLMEngine) -> ServerContext:
     mc = engine.config.model_config
     names = args.served_model_name or [mc.served_model_name]
     names = [names] if isinstance(names, str) else list(names)
+    limits = ServerLimits.from_args(args)
     return ServerContext(
         engine=engine,
         served_model_names=names,
         model_root=str(args.model or mc.model),
-        media=ImageMediaConnector(args.allowed_local_media_path, args.allowed_image_hosts),
+        media=media_connector(args, limits),
         metrics=ServerMetrics(engine, names[0], mc.max_model_len),
         chat_template=load_chat_template(args.chat_template),
         response_role=args.response_role,
         log_requests=bool(args.enable_log_requests),
         max_log_len=args.max_log_len,
+        limits=limits,
+        max_token_chars=longest_token_chars(engine.get_tokenizer()),
     )
 
 
@@ -188,10 +218,24 @@ def build_app(args: argparse.Namespace, engine: AsyncLLMEngine) -> FastAPI:
     app.state.ctx = ctx
     _add_exception_handlers(app)
     _add_routes(app, ctx)
-    app.add_middleware(BodySizeLimitMiddleware, max_bytes=max_request_body_bytes(args))
+    mc = engine.config.model_config
+    request_limits = RequestLimits(
+        max_model_len=mc.max_model_len,
+        max_prompts=ctx.limits.max_queued_requests,
+        vocab_size=mc.spec.text.vocab_size,
+    )
+    app.add_middleware(RequestLimitsMiddleware, limits=request_limits)
+    app.add_middleware(
+        BodySizeLimitMiddleware,
+        max_bytes=ctx.limits.max_request_body_bytes,
+        timeout=ctx.limits.body_timeout,
+    )
     api_key = args.api_key
     if api_key:
-        app.add_middleware(APIKeyMiddleware, api_key=api_key)
+        metrics = ("/metrics",) if getattr(args, "enable_metrics_auth", False) else ()
+        app.add_middleware(
+            APIKeyMiddleware, api_key=api_key, protected=(*PROTECTED_PREFIXES, *metrics)
+        )
     app.add_middleware(
         CORSMiddleware,
         allow_origins=args.allowed_origins,
@@ -204,12 +248,7 @@ def build_app(args: argparse.Namespace, engine: AsyncLLMEngine) -> FastAPI:
 
 def max_request_body_bytes(args: argparse.Namespace) -> int:
     """The flag, else env ``VLLM_MAX_REQUEST_BODY_BYTES``, else 32 MiB (raises ValueError)."""
-    value = getattr(args, "max_request_body_bytes", None)
-    if value is None:
-        value = envs.VLLM_MAX_REQUEST_BODY_BYTES or DEFAULT_MAX_REQUEST_BODY_BYTES
-    if value <= 0:
-        raise ValueError(f"--max-request-body-bytes must be positive, got {value}")
-    return value
+    return ServerLimits.from_args(args).max_request_body_bytes
 
 
 class DrainingServer(uvicorn.Server):
@@ -274,13 +313,11 @@ def create_server_socket(host: str | None, port: int) -> socket.socket:
 
 def run_server(args: argparse.Namespace) -> None:
     """Validates the flags, reserves the port, builds the engine and serves until stopped."""
-    from vllm.engine.arg_utils import EngineArgs
-
     try:
         validate_parsed_serve_args(args)
         load_chat_template(args.chat_template)
-        ImageMediaConnector(args.allowed_local_media_path, args.allowed_image_hosts)
-        max_request_body_bytes(args)
+        limits = ServerLimits.from_args(args)
+        media_connector(args, limits)
         shutdown_timeout = float(getattr(args, "shutdown_timeout", 0.0) or 0.0)
         if shutdown_timeout < 0:
             raise ValueError(f"--shutdown-timeout must be >= 0, got {shutdown_timeout}")
@@ -295,11 +332,11 @@ def run_server(args: argparse.Namespace) -> None:
         raise SystemExit(f"Error: {e}") from None
     try:
         app = build_app(args, engine)
-        config = uvicorn.Config(
+        config = uvicorn_config(
             app,
+            limits,
             log_level=args.uvicorn_log_level,
             access_log=not args.disable_uvicorn_access_log,
-            timeout_keep_alive=5,
             ssl_keyfile=args.ssl_keyfile,
             ssl_certfile=args.ssl_certfile,
             # A backstop: after the engine stops, responses end within moments.
@@ -320,15 +357,11 @@ def run_server(args: argparse.Namespace) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
-    from vllm.engine.cli_args import FlexibleArgumentParser
-    from vllm.entrypoints.cli.serve import add_server_limit_args
-
     parser = FlexibleArgumentParser(
         prog="python -m vllm.entrypoints.openai.api_server",
         description="vLLM-compatible OpenAI API server for Llama 3.2 Vision.",
     )
     make_arg_parser(parser, positional_model=False)
-    add_server_limit_args(parser)
     run_server(parser.parse_args(sys.argv[1:] if argv is None else argv))
 
 

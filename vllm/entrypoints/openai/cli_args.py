@@ -122,7 +122,72 @@ def make_arg_parser(
         action="store_true",
         help="Disable /docs, /redoc and /openapi.json.",
     )
+    g.add_argument(
+        "--enable-metrics-auth",
+        action="store_true",
+        help="With --api-key, /metrics requires the key too (default: open for scrapers). "
+        "/tokenize and /detokenize always require it.",
+    )
+    add_server_limit_args(parser)
     EngineArgs.add_cli_args(parser, positional_model=positional_model)
+    return parser
+
+
+# (flag, type, default, help) of the server limits; docs/security.md lists every limit.
+_LIMIT_FLAGS: tuple[tuple[str, type, object, str], ...] = (
+    ("--max-request-body-bytes", int, None,
+     "Requests whose body is larger (counted as received, whatever the headers say) get a "
+     "413 (default: env VLLM_MAX_REQUEST_BODY_BYTES, else 32 MiB)."),
+    ("--shutdown-timeout", float, 0.0,
+     "On SIGTERM or Ctrl-C, seconds that in-flight requests may take to finish before they "
+     "are aborted with an error (default 0: abort at once); new connections are refused "
+     "meanwhile. The process exits with status 0."),
+    ("--chat-template-max-steps", int, 1_000_000,
+     "Steps (loop iterations, calls, lookups, operators) one chat template render may take."),
+    ("--chat-template-max-chars", int, 4 << 20,
+     "Largest string, and output, a chat template render may build, in characters (4 Mi)."),
+    ("--chat-template-timeout", float, 2.0,
+     "Seconds one chat template render may run; it is stopped from inside."),
+    ("--max-image-pixels", int, None,
+     "Largest image, in decoded pixels (default 16 Mi, or env VLLM_IMAGE_MAX_PIXELS if "
+     "lower); a JPEG far larger than the model uses is decoded at a reduced scale first."),
+    ("--image-decode-concurrency", int, 2, "Images decoded at the same time; others wait."),
+    ("--image-fetch-timeout", float, None,
+     "Seconds for one image URL in all: DNS, redirects and the body (default: env "
+     "VLLM_IMAGE_FETCH_TIMEOUT, else 5)."),
+    ("--image-fetch-request-timeout", float, 10.0,
+     "Seconds for all the images of one request."),
+    ("--max-logprob-entries", int, 1 << 18,
+     "Logprob entries one response may carry: n x max_tokens x (top_logprobs + 1), plus "
+     "prompt tokens x (prompt_logprobs + 1)."),
+    ("--max-queued-requests", int, 1024,
+     "Requests that may wait for the engine; beyond, a 503 with Retry-After."),
+    ("--max-queued-images", int, 256,
+     "Images that waiting requests may hold (decoded and tiled, in memory); beyond, a 503 "
+     "with Retry-After."),
+    ("--limit-concurrency", int, 2048,
+     "Open connections the server keeps; one beyond is closed at once, and a request "
+     "arriving at the limit gets a 503."),
+    ("--timeout-keep-alive", float, 5.0, "Seconds an idle keep-alive connection stays open."),
+    ("--header-timeout", float, 10.0,
+     "Seconds a connection may take to send a request's headers; then it is closed."),
+    ("--body-timeout", float, 60.0,
+     "Seconds a request may take to send its body; then a 408."),
+)
+
+
+def add_server_limit_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """What one request (or connection) may cost the server."""
+    g = parser.add_argument_group("server limits")
+    g.add_argument(
+        "--trust-request-chat-template",
+        action="store_true",
+        help="Accept a chat_template sent in a request (default: such requests get a 400). "
+        "Every template renders under the chat-template budget either way.",
+    )
+    for flag, kind, default, text in _LIMIT_FLAGS:
+        shown = "" if default is None or "default" in text else f" (default {default})"
+        g.add_argument(flag, type=kind, default=default, help=text + shown)
     return parser
 
 

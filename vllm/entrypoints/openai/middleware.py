@@ -1,34 +1,48 @@
-"""ASGI middleware of the OpenAI server: API-key check and request-body size limit."""
+"""ASGI middleware of the OpenAI server: the API-key check, the request-body limits (size and
+time), and the per-request bounds the body validators read."""
 
 from __future__ import annotations
 
+import asyncio
 import hmac
+from collections.abc import Iterable
 from typing import Any
 
 from starlette.responses import JSONResponse
-from starlette.types import ASGIApp, Receive, Scope, Send
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from vllm.entrypoints.openai.request_checks import REQUEST_LIMITS, RequestLimits
 from vllm.entrypoints.openai.serving_engine import error_body
+
+# Paths that need the key when one is set: the API, and the tokenizer endpoints (they run the
+# chat template). /health, /version and (unless asked) /metrics stay open for probes.
+PROTECTED_PREFIXES = ("/v1", "/tokenize", "/detokenize")
 
 
 class APIKeyMiddleware:
-    """Requires ``Authorization: Bearer <key>`` on ``/v1/*`` (health and metrics stay open).
+    """Requires ``Authorization: Bearer <key>`` on the protected paths.
 
     Pure ASGI, so streamed responses and disconnect detection pass through untouched.
     """
 
-    def __init__(self, app: ASGIApp, api_key: str) -> None:
+    def __init__(
+        self, app: ASGIApp, api_key: str, protected: Iterable[str] = PROTECTED_PREFIXES
+    ) -> None:
         self.app = app
         self.expected = f"Bearer {api_key}".encode()
+        self.protected = tuple(protected)
 
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http" or scope.get("method") == "OPTIONS":
-            return await self.app(scope, receive, send)
+    def _needs_key(self, scope: Scope) -> bool:
         path = scope.get("path", "")
         root = scope.get("root_path", "")
         if root and path.startswith(root):
             path = path[len(root) :]
-        if not path.startswith("/v1"):
+        return path.startswith(self.protected)
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or scope.get("method") == "OPTIONS":
+            return await self.app(scope, receive, send)
+        if not self._needs_key(scope):
             return await self.app(scope, receive, send)
         given = b""
         for name, value in scope.get("headers", []):
@@ -41,39 +55,49 @@ class APIKeyMiddleware:
 
 
 class BodySizeLimitMiddleware:
-    """Answers 413 to a request whose body is over ``max_bytes``: from ``Content-Length``
-    before reading any of it, or while buffering a chunked body (which is then replayed)."""
+    """Reads every request body before the app runs, counting the bytes actually received
+    (whatever ``Content-Length`` or ``Transfer-Encoding`` say), and answers 413 past
+    ``max_bytes`` (at once when ``Content-Length`` already says so) and 408 when the body
+    takes longer than ``timeout`` seconds. The app then gets the body as one message."""
 
-    def __init__(self, app: ASGIApp, max_bytes: int) -> None:
+    def __init__(self, app: ASGIApp, max_bytes: int, timeout: float | None = None) -> None:
         self.app = app
         self.max_bytes = max_bytes
+        self.timeout = timeout
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
-        headers = dict(scope.get("headers", []))
-        length = headers.get(b"content-length", b"")
+        length = dict(scope.get("headers", [])).get(b"content-length", b"")
         if length.isdigit() and int(length) > self.max_bytes:
             return await self._reject(scope, receive, send, f"{int(length)} bytes")
-        if length or b"chunked" not in headers.get(b"transfer-encoding", b"").lower():
-            return await self.app(scope, receive, send)
-        chunks, total = [], 0
-        while True:
-            message = await receive()
-            if message["type"] != "http.request":
-                return  # the client went away before sending its body
-            chunks.append(message.get("body", b""))
-            total += len(chunks[-1])
-            if total > self.max_bytes:
-                return await self._reject(scope, receive, send, f"over {self.max_bytes} bytes")
-            if not message.get("more_body", False):
-                break
-        pending = [{"type": "http.request", "body": b"".join(chunks), "more_body": False}]
+        try:
+            async with asyncio.timeout(self.timeout):
+                body = await self._read(receive)
+        except TimeoutError:
+            return await self._timed_out(scope, receive, send)
+        if body is None:
+            return  # the client went away before sending its body
+        if len(body) > self.max_bytes:
+            return await self._reject(scope, receive, send, f"over {self.max_bytes} bytes")
+        pending: list[Message] = [{"type": "http.request", "body": body, "more_body": False}]
 
         async def replay() -> Any:
             return pending.pop() if pending else await receive()
 
         await self.app(scope, replay, send)
+
+    async def _read(self, receive: Receive) -> bytes | None:
+        """The body, or None on disconnect; stops reading one chunk past the limit."""
+        chunks, total = [], 0
+        while True:
+            message = await receive()
+            if message["type"] != "http.request":
+                return None
+            chunks.append(message.get("body", b""))
+            total += len(chunks[-1])
+            if total > self.max_bytes or not message.get("more_body", False):
+                return b"".join(chunks)
 
     async def _reject(self, scope: Scope, receive: Receive, send: Send, size: str) -> None:
         message = (
@@ -83,3 +107,25 @@ class BodySizeLimitMiddleware:
         body = error_body(message, "RequestTooLargeError", 413)
         response = JSONResponse(body, 413, headers={"Connection": "close"})
         await response(scope, receive, send)
+
+    async def _timed_out(self, scope: Scope, receive: Receive, send: Send) -> None:
+        message = f"The request body did not arrive within {self.timeout:g} s (--body-timeout)."
+        body = error_body(message, "RequestTimeoutError", 408)
+        response = JSONResponse(body, 408, headers={"Connection": "close"})
+        await response(scope, receive, send)
+
+
+class RequestLimitsMiddleware:
+    """Makes this app's :class:`RequestLimits` visible to the request-body validators (which
+    run before any handler) for the duration of each request."""
+
+    def __init__(self, app: ASGIApp, limits: RequestLimits) -> None:
+        self.app = app
+        self.limits = limits
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        token = REQUEST_LIMITS.set(self.limits)
+        try:
+            await self.app(scope, receive, send)
+        finally:
+            REQUEST_LIMITS.reset(token)

@@ -7,18 +7,27 @@ fields default to ``None`` here: only the fields a client actually sent reach
 
 from __future__ import annotations
 
-import re
 import time
 import uuid
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from vllm.entrypoints.openai.request_checks import (
+    NO_LIMITS,
+    REQUEST_LIMITS,
+    RequestLimits,
+    check_content_parts,
+    check_tokens,
+    clamp,
+    find_lone_surrogate,
+    too_long,
+)
+from vllm.sampling_params import MAX_STOP_CHARS, MAX_STOP_STRINGS
+
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
-# Stop strings are matched against the new text after every token, so their number and size
-# bound per-token work: a request may name at most this many, of at most this many characters.
-MAX_STOP_STRINGS = 64
-MAX_STOP_CHARS = 4096
+# OpenAI's (and vLLM's) range for logit_bias values: larger ones are clamped to it.
+LOGIT_BIAS_LIMIT = 100.0
 
 # Request fields copied to SamplingParams under the same name when the client sent them.
 SAMPLING_FIELDS = (
@@ -59,46 +68,41 @@ def random_id(prefix: str) -> str:
     return f"{prefix}-{uuid.uuid4().hex}"
 
 
-# JSON may escape UTF-16 surrogates one by one ("\ud800"); alone they are not text, and the
-# tokenizer (or any UTF-8 encoder) fails on them deep inside a request.
-_LONE_SURROGATE = re.compile("[\ud800-\udfff]")
-
-
-def _has_lone_surrogate(text: str) -> bool:
-    # isascii() is O(1) in CPython (a flag on the string): base64 images skip the scan.
-    return not text.isascii() and _LONE_SURROGATE.search(text) is not None
-
-
-def find_lone_surrogate(data: Any) -> str | None:
-    """The path of the first string (key or value) holding a lone surrogate, if any."""
-    stack: list[tuple[str, Any]] = [("", data)]
-    while stack:  # iterative: nesting depth is the client's choice
-        path, value = stack.pop()
-        if isinstance(value, str):
-            if _has_lone_surrogate(value):
-                return path or "body"
-        elif isinstance(value, dict):
-            for k, v in value.items():
-                if isinstance(k, str) and _has_lone_surrogate(k):
-                    return path or "body"
-                stack.append((f"{path}.{k}" if path else str(k), v))
-        elif isinstance(value, list):
-            stack.extend((f"{path}[{i}]", v) for i, v in enumerate(value))
-    return None
-
-
 class OpenAIBaseModel(BaseModel):
     """Base of request bodies: unknown fields are kept (and reported by ``ignored_fields``)."""
 
     model_config = ConfigDict(extra="allow")
+    # Fields holding token ids (bounded by max_model_len), and by the vocabulary.
+    _token_list_fields: ClassVar[tuple[str, ...]] = ()
+    _vocab_list_fields: ClassVar[tuple[str, ...]] = ()
 
     @model_validator(mode="before")
     @classmethod
-    def _reject_lone_surrogates(cls, data: Any) -> Any:
-        where = find_lone_surrogate(data)
-        if where is not None:
-            raise ValueError(f"{where}: contains a lone UTF-16 surrogate, which is not valid text.")
+    def _check_raw_body(cls, data: Any) -> Any:
+        if not isinstance(data, dict):
+            return data
+        cls._check_lengths(data, REQUEST_LIMITS.get() or NO_LIMITS)
+        for name in cls.model_fields:  # extra fields are ignored, so not scanned either
+            if name in data:
+                where = find_lone_surrogate(data[name], name)
+                if where is not None:
+                    raise ValueError(
+                        f"{where}: contains a lone UTF-16 surrogate, which is not valid text."
+                    )
         return data
+
+    @classmethod
+    def _check_lengths(cls, data: dict[str, Any], limits: RequestLimits) -> None:
+        """O(1) per field: runs before pydantic (or the surrogate scan) looks at elements."""
+        if limits.max_model_len is not None:
+            for name in cls._token_list_fields:
+                check_tokens(name, data.get(name), limits.max_model_len)
+        if limits.vocab_size is not None:
+            for name in cls._vocab_list_fields:
+                value = data.get(name)
+                if isinstance(value, (list, dict)) and len(value) > limits.vocab_size:
+                    why = f"the vocabulary has {limits.vocab_size} tokens"
+                    raise too_long(name, len(value), limits.vocab_size, why)
 
     def ignored_fields(self) -> list[str]:
         return sorted(self.model_extra or {})
@@ -137,6 +141,12 @@ class UsageInfo(BaseModel):
 
 class _SamplingRequest(OpenAIBaseModel):
     """Fields shared by chat and completion requests."""
+
+    _vocab_list_fields: ClassVar[tuple[str, ...]] = (
+        "logit_bias",
+        "allowed_token_ids",
+        "stop_token_ids",
+    )
 
     model: str | None = None
     frequency_penalty: float | None = None
@@ -191,14 +201,33 @@ class _SamplingRequest(OpenAIBaseModel):
             )
         return self
 
+    @classmethod
+    def _check_lengths(cls, data: dict[str, Any], limits: RequestLimits) -> None:
+        super()._check_lengths(data, limits)
+        for name in ("stop", "bad_words"):
+            value = data.get(name)
+            if isinstance(value, list) and len(value) > MAX_STOP_STRINGS:
+                raise ValueError(
+                    f"`{name}` has {len(value)} strings; at most {MAX_STOP_STRINGS} are allowed."
+                )
+
     def sampling_kwargs(self) -> dict[str, Any]:
-        """SamplingParams keyword arguments for the fields the client set (and not to null)."""
+        """SamplingParams keyword arguments for the fields the client set (and not to null).
+
+        ``logit_bias`` values are clamped to [-100, 100] as OpenAI and vLLM document (a value
+        beyond float32's range would turn logits into NaN); NaN and infinity stay, for
+        SamplingParams to refuse."""
         sent = self.model_fields_set
-        return {
+        kwargs = {
             k: getattr(self, k)
             for k in SAMPLING_FIELDS
             if k in sent and getattr(self, k) is not None
         }
+        if "logit_bias" in kwargs:
+            kwargs["logit_bias"] = {
+                k: clamp(v, LOGIT_BIAS_LIMIT) for k, v in kwargs["logit_bias"].items()
+            }
+        return kwargs
 
     def unsupported_feature(self) -> str | None:
         """The name of a requested feature this server does not implement, if any."""
@@ -216,6 +245,14 @@ class _SamplingRequest(OpenAIBaseModel):
 
 class ChatCompletionRequest(_SamplingRequest):
     """``POST /v1/chat/completions`` body."""
+
+    _token_list_fields: ClassVar[tuple[str, ...]] = ("messages",)
+
+    @classmethod
+    def _check_lengths(cls, data: dict[str, Any], limits: RequestLimits) -> None:
+        super()._check_lengths(data, limits)
+        if limits.max_model_len is not None:
+            check_content_parts(data.get("messages"), limits.max_model_len)
 
     messages: list[dict[str, Any]]
     logprobs: bool | None = False
@@ -263,6 +300,22 @@ class ChatCompletionRequest(_SamplingRequest):
 
 class CompletionRequest(_SamplingRequest):
     """``POST /v1/completions`` body."""
+
+    @classmethod
+    def _check_lengths(cls, data: dict[str, Any], limits: RequestLimits) -> None:
+        """A batch holds at most ``max_prompts`` prompts; a token-id prompt at most
+        ``max_model_len`` ids (checked per prompt, so O(prompts))."""
+        super()._check_lengths(data, limits)
+        prompt = data.get("prompt")
+        if not isinstance(prompt, list) or not prompt:
+            return
+        batch = isinstance(prompt[0], (list, str))
+        if batch and limits.max_prompts is not None and len(prompt) > limits.max_prompts:
+            why = "--max-queued-requests: each prompt is a request"
+            raise too_long("prompt", len(prompt), limits.max_prompts, why)
+        if limits.max_model_len is not None:
+            for i, p in enumerate(prompt if batch else [prompt]):
+                check_tokens(f"prompt[{i}]" if batch else "prompt", p, limits.max_model_len)
 
     prompt: str | list[str] | list[int] | list[list[int]]
     echo: bool | None = False

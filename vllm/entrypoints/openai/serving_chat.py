@@ -8,6 +8,7 @@ client sent, independent of how an image is tiled.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import json
 import time
@@ -18,7 +19,11 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from vllm.engine.async_llm_engine import EngineDeadError
-from vllm.entrypoints.chat_utils import parse_chat_messages_async, parse_conversation
+from vllm.entrypoints.chat_utils import (
+    ParsedConversation,
+    parse_chat_messages_async,
+    parse_conversation,
+)
 from vllm.entrypoints.openai.protocol import (
     ChatCompletionLogProb,
     ChatCompletionLogProbs,
@@ -38,6 +43,7 @@ from vllm.entrypoints.openai.serving_engine import (
     OpenAIServingError,
     bad_request,
     error_body,
+    logprob_entries,
     truncate_prompt,
 )
 from vllm.entrypoints.openai.streaming import SSE_DONE, SSEResponse, sse_event
@@ -49,6 +55,12 @@ from vllm.sequence import Logprob
 logger = init_logger(__name__)
 
 
+def internal_error(e: BaseException) -> str:
+    """What a client learns of an unexpected server error: its type. The message may name
+    files, addresses or other clients' requests; it goes to the server log only."""
+    return f"Internal server error ({type(e).__name__}; the details are in the server log)."
+
+
 def in_band_error(e: Exception) -> dict[str, Any]:
     """The error body sent inside an SSE stream once the 200 header has gone out."""
     if isinstance(e, OpenAIServingError):
@@ -58,7 +70,7 @@ def in_band_error(e: Exception) -> dict[str, Any]:
     if isinstance(e, EngineDeadError):
         return error_body(str(e), "InternalServerError", 500)
     logger.exception("Error while streaming a response")
-    return error_body(f"Internal server error: {e!r}", "InternalServerError", 500)
+    return error_body(internal_error(e), "InternalServerError", 500)
 
 
 def token_text(token_id: int, lp: Logprob | None, tokenizer: Any) -> str:
@@ -80,31 +92,40 @@ class OpenAIServingChat(OpenAIServing):
         self, request: ChatCompletionRequest, raw_request: Request
     ) -> Response:
         model = self.check_request(request)
-        prompt, params = await self._prepare(request)
-        processed = await self.process(prompt)
-        request_id = (
-            f"chatcmpl-{request.request_id}" if request.request_id else random_id("chatcmpl")
-        )
-        self.log_request(request_id, prompt.get("prompt"), prompt["prompt_token_ids"], params)
-        role = (
-            self.ctx.response_role
-            if request.add_generation_prompt
-            else str(request.messages[-1].get("role", "assistant"))
-        )
-        gen = self.generate(processed, params, request_id)
-        num_prompt = len(prompt["prompt_token_ids"])
-        if request.stream:
-            return SSEResponse(
-                self._stream(request, gen, request_id, model, role, params, num_prompt)
+        self.check_chat_template(request.chat_template)
+        parsed = self._parse(request)
+        ticket = self.reserve(len(parsed.image_sources))  # before images are fetched
+        try:
+            prompt, params = await self._prepare(request, parsed)
+            processed = await self.process(prompt)
+            response_id = (
+                f"chatcmpl-{request.request_id}" if request.request_id else random_id("chatcmpl")
             )
-        (final,) = await self.collect_final([gen], raw_request)
-        body = self._response(final, request_id, model, role, params, num_prompt)
-        return JSONResponse(body.model_dump())
+            engine_id = self.engine_request_id(response_id, bool(request.request_id))
+            self.log_request(engine_id, prompt.get("prompt"), prompt["prompt_token_ids"], params)
+            role = (
+                self.ctx.response_role
+                if request.add_generation_prompt
+                else str(request.messages[-1].get("role", "assistant"))
+            )
+            gen = self.generate(processed, params, engine_id, ticket)
+            num_prompt = len(prompt["prompt_token_ids"])
+            if request.stream:
+                body = self._stream(request, gen, response_id, model, role, params, num_prompt)
+                return SSEResponse(body, on_close=ticket.close)
+            (final,) = await self.collect_final([gen], raw_request)
+        except BaseException:
+            ticket.close()  # (a stream's ticket is closed by the engine or the response)
+            raise
+        ticket.close()
+        # Large logprob responses take a while to build and encode: off the event loop.
+        return await asyncio.to_thread(
+            lambda: JSONResponse(
+                self._response(final, response_id, model, role, params, num_prompt).model_dump()
+            )
+        )
 
-    async def _prepare(
-        self, request: ChatCompletionRequest
-    ) -> tuple[dict[str, Any], SamplingParams]:
-        """Messages -> engine prompt (token ids and images) and the request's SamplingParams."""
+    def _parse(self, request: ChatCompletionRequest) -> ParsedConversation:
         try:
             parsed = parse_conversation(request.messages)
         except ValueError as e:
@@ -115,6 +136,12 @@ class OpenAIServingChat(OpenAIServing):
                 f"You set image={limit} (or defaulted to 1) in `--limit-mm-per-prompt`, but "
                 f"passed {len(parsed.image_sources)} image items in the same prompt."
             )
+        return parsed
+
+    async def _prepare(
+        self, request: ChatCompletionRequest, parsed: ParsedConversation
+    ) -> tuple[dict[str, Any], SamplingParams]:
+        """Messages -> engine prompt (token ids and images) and the request's SamplingParams."""
         try:
             prompt = await parse_chat_messages_async(
                 parsed,
@@ -125,6 +152,7 @@ class OpenAIServingChat(OpenAIServing):
                 chat_template_kwargs=request.chat_template_kwargs,
                 continue_final_message=request.continue_final_message,
                 add_special_tokens=request.add_special_tokens,
+                budget=self.ctx.limits.chat_template_budget,
             )
         except ValueError as e:
             raise bad_request(str(e)) from None
@@ -139,6 +167,7 @@ class OpenAIServingChat(OpenAIServing):
         params = self.sampling_params(
             kwargs, max_tokens, self.ctx.max_model_len - len(ids), bool(request.stream)
         )
+        self.check_logprob_entries(logprob_entries(params, len(ids)))
         return prompt, params
 
     # ------------------------------------------------------------------ output shapes

@@ -7,6 +7,7 @@ so a bad prompt in a batch fails the whole call with a 400 and runs nothing.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import json
 import time
@@ -17,6 +18,7 @@ from typing import Any
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
+from vllm.engine.async_llm_engine import QueueTicket
 from vllm.entrypoints.openai.protocol import (
     CompletionLogProbs,
     CompletionRequest,
@@ -28,7 +30,12 @@ from vllm.entrypoints.openai.protocol import (
     random_id,
 )
 from vllm.entrypoints.openai.serving_chat import in_band_error, prompt_logprobs_json, token_text
-from vllm.entrypoints.openai.serving_engine import OpenAIServing, bad_request, truncate_prompt
+from vllm.entrypoints.openai.serving_engine import (
+    OpenAIServing,
+    bad_request,
+    logprob_entries,
+    truncate_prompt,
+)
 from vllm.entrypoints.openai.streaming import (
     SSE_DONE,
     SSEResponse,
@@ -49,6 +56,11 @@ class _Prepared:
     processed: Any
 
 
+def _close_all(tickets: list[QueueTicket]) -> None:
+    for t in tickets:
+        t.close()
+
+
 def _prompt_list(prompt: Any) -> list[str | list[int]]:
     if isinstance(prompt, str):
         return [prompt]
@@ -64,17 +76,37 @@ class OpenAIServingCompletion(OpenAIServing):
 
     async def create_completion(self, request: CompletionRequest, raw_request: Request) -> Response:
         model = self.check_request(request)
-        prepared = [await self._prepare(request, p) for p in _prompt_list(request.prompt)]
-        base_id = f"cmpl-{request.request_id}" if request.request_id else random_id("cmpl")
-        gens = []
-        for i, p in enumerate(prepared):
-            rid = f"{base_id}-{i}"
-            self.log_request(rid, p.text, p.token_ids, p.params)
-            gens.append(self.generate(p.processed, p.params, rid))
-        if request.stream:
-            return SSEResponse(self._stream(request, gens, prepared, base_id, model))
-        finals = await self.collect_final(gens, raw_request)
-        return JSONResponse(self._response(request, finals, prepared, base_id, model).model_dump())
+        prompts = _prompt_list(request.prompt)
+        tickets: list[QueueTicket] = []
+        try:
+            for _ in prompts:  # each prompt is an engine request: a place in the queue each
+                tickets.append(self.reserve())
+            prepared = [await self._prepare(request, p) for p in prompts]
+            n = prepared[0].params.n
+            self.check_logprob_entries(
+                sum(logprob_entries(p.params, len(p.token_ids), n) for p in prepared)
+            )
+            base_id = f"cmpl-{request.request_id}" if request.request_id else random_id("cmpl")
+            engine_base = self.engine_request_id(base_id, bool(request.request_id))
+            gens = []
+            for i, (p, ticket) in enumerate(zip(prepared, tickets, strict=True)):
+                rid = f"{engine_base}-{i}"
+                self.log_request(rid, p.text, p.token_ids, p.params)
+                gens.append(self.generate(p.processed, p.params, rid, ticket))
+            if request.stream:
+                body = self._stream(request, gens, prepared, base_id, model)
+                return SSEResponse(body, on_close=lambda: _close_all(tickets))
+            finals = await self.collect_final(gens, raw_request)
+        except BaseException:
+            _close_all(tickets)
+            raise
+        _close_all(tickets)
+        # Large logprob responses take a while to build and encode: off the event loop.
+        return await asyncio.to_thread(
+            lambda: JSONResponse(
+                self._response(request, finals, prepared, base_id, model).model_dump()
+            )
+        )
 
     async def _prepare(self, request: CompletionRequest, prompt: str | list[int]) -> _Prepared:
         if isinstance(prompt, str):

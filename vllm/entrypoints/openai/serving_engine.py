@@ -9,19 +9,26 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import uuid
 from collections.abc import AsyncGenerator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from starlette.requests import Request
 
-from vllm.engine.async_llm_engine import AsyncLLMEngine, EngineDeadError
+from vllm.engine.async_llm_engine import (
+    AsyncLLMEngine,
+    EngineDeadError,
+    QueueFullError,
+    QueueTicket,
+)
 from vllm.entrypoints.openai.metrics import ServerMetrics
 from vllm.entrypoints.openai.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
     OpenAIBaseModel,
 )
+from vllm.entrypoints.openai.server_limits import ServerLimits
 from vllm.entrypoints.openai.streaming import wait_for_disconnect
 from vllm.logger import init_logger
 from vllm.multimodal.image import ImageMediaConnector
@@ -40,12 +47,14 @@ class OpenAIServingError(Exception):
         status: int = 400,
         err_type: str = "BadRequestError",
         param: str | None = None,
+        headers: dict[str, str] | None = None,
     ) -> None:
         super().__init__(message)
         self.message = message
         self.status = status
         self.err_type = err_type
         self.param = param
+        self.headers = headers
 
     def body(self) -> dict[str, Any]:
         return error_body(self.message, self.err_type, self.status, self.param)
@@ -72,6 +81,18 @@ def bad_request(message: str, param: str | None = None) -> OpenAIServingError:
     return OpenAIServingError(message, 400, "BadRequestError", param)
 
 
+def logprob_entries(params: SamplingParams, num_prompt: int, prompt_copies: int = 1) -> int:
+    """Logprob entries a response for ``params`` may carry: per choice, per generated token,
+    the sampled token and the alternatives; per prompt token (``prompt_copies`` times: once
+    per choice in completions), the prompt token and its alternatives."""
+    entries = 0
+    if params.logprobs is not None:
+        entries += params.n * (params.max_tokens or 0) * (params.logprobs + 1)
+    if params.prompt_logprobs is not None:
+        entries += prompt_copies * num_prompt * (params.prompt_logprobs + 1)
+    return entries
+
+
 @dataclass
 class ServerContext:
     """State shared by every handler of one app."""
@@ -85,6 +106,10 @@ class ServerContext:
     response_role: str = "assistant"
     log_requests: bool = False
     max_log_len: int | None = None
+    limits: ServerLimits = field(default_factory=ServerLimits)
+    # The longest token's text: a prompt of more than max_model_len times this many
+    # characters cannot fit, and is refused before it is tokenized.
+    max_token_chars: int = 64
 
     @property
     def max_model_len(self) -> int:
@@ -158,8 +183,62 @@ class OpenAIServing:
                 "the messages or completion."
             )
 
+    def check_chat_template(self, chat_template: str | None) -> None:
+        """A request's own template runs only on a server that trusts them (upstream's rule)."""
+        if chat_template is not None and not self.ctx.limits.trust_request_chat_template:
+            raise bad_request(
+                "Chat template is passed with request, but --trust-request-chat-template is not "
+                "set. Refused request with untrusted chat template.",
+                "chat_template",
+            )
+
+    def check_prompt_chars(self, text: str) -> None:
+        """Refuses, before tokenizing it, a text too long to fit: every token covers at most
+        ``max_token_chars`` characters."""
+        limit = self.ctx.max_model_len * self.ctx.max_token_chars
+        if len(text) > limit:
+            raise bad_request(
+                f"This model's maximum context length is {self.ctx.max_model_len} tokens. "
+                f"However, the prompt has {len(text)} characters, more than any prompt of "
+                f"that many tokens ({limit}). Please reduce the length of the messages.",
+                "prompt",
+            )
+
+    def check_logprob_entries(self, entries: int) -> None:
+        limit = self.ctx.limits.max_logprob_entries
+        if entries > limit:
+            raise bad_request(
+                f"The response would carry {entries} logprob entries (n x max_tokens x "
+                f"(logprobs + 1), plus prompt tokens x (prompt_logprobs + 1)), more than the "
+                f"limit of {limit} (--max-logprob-entries). Reduce n, max_tokens or "
+                "top_logprobs.",
+                "logprobs",
+            )
+
+    def reserve(self, images: int = 0) -> QueueTicket:
+        """A place in the engine's waiting queue, or a 503 with Retry-After."""
+        limits = self.ctx.limits
+        try:
+            return self.engine.reserve(
+                images, limits.max_queued_requests, limits.max_queued_images
+            )
+        except QueueFullError as e:
+            raise OpenAIServingError(
+                str(e),
+                503,
+                "ServiceUnavailableError",
+                headers={"Retry-After": str(e.retry_after)},
+            ) from None
+
+    @staticmethod
+    def engine_request_id(response_id: str, client_chose: bool) -> str:
+        """The engine's id for a request: a client's ``request_id`` gets a random suffix, so
+        that ids never collide (and a collision never tells one client about another's)."""
+        return f"{response_id}-{uuid.uuid4().hex[:12]}" if client_chose else response_id
+
     # ------------------------------------------------------------------ inputs
     async def tokenize_text(self, text: str, add_special_tokens: bool) -> list[int]:
+        self.check_prompt_chars(text)
         tok = self.ctx.tokenizer
         enc = await asyncio.to_thread(tok, text, add_special_tokens=add_special_tokens)
         return list(enc["input_ids"])
@@ -242,7 +321,11 @@ class OpenAIServing:
 
     # ------------------------------------------------------------------ running requests
     def generate(
-        self, processed: Any, params: SamplingParams, request_id: str
+        self,
+        processed: Any,
+        params: SamplingParams,
+        request_id: str,
+        ticket: QueueTicket | None = None,
     ) -> AsyncGenerator[RequestOutput, None]:
         """The engine's output stream for one prompt (checked first: raises a 400)."""
         if params.prompt_logprobs is not None:
@@ -255,7 +338,7 @@ class OpenAIServing:
                     "token has no logit).",
                     "prompt_logprobs",
                 )
-        return self.engine.generate(None, params, request_id, processed=processed)
+        return self.engine.generate(None, params, request_id, processed=processed, ticket=ticket)
 
     async def collect_final(
         self, gens: list[AsyncGenerator[RequestOutput, None]], raw_request: Request

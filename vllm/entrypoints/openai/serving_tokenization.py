@@ -7,7 +7,7 @@ The chat form renders the messages with the chat template exactly as a chat comp
 from __future__ import annotations
 
 import asyncio
-from typing import Any
+from typing import Any, ClassVar
 
 from pydantic import BaseModel
 
@@ -27,6 +27,8 @@ class TokenizeCompletionRequest(OpenAIBaseModel):
 
 class TokenizeChatRequest(OpenAIBaseModel):
     """``POST /tokenize`` with chat messages (rendered by the chat template)."""
+
+    _token_list_fields: ClassVar[tuple[str, ...]] = ("messages",)
 
     model: str | None = None
     messages: list[dict[str, Any]]
@@ -53,6 +55,8 @@ class TokenizeResponse(BaseModel):
 class DetokenizeRequest(OpenAIBaseModel):
     """``POST /detokenize`` body."""
 
+    _token_list_fields: ClassVar[tuple[str, ...]] = ("tokens",)
+
     model: str | None = None
     tokens: list[int]
 
@@ -69,6 +73,7 @@ class OpenAIServingTokenization(OpenAIServing):
     async def create_tokenize(self, request: TokenizeRequest) -> TokenizeResponse:
         self.check_request(request)
         if isinstance(request, TokenizeChatRequest):
+            self.check_chat_template(request.chat_template)
             try:
                 parsed = parse_conversation(request.messages)
                 text = await asyncio.to_thread(
@@ -79,12 +84,14 @@ class OpenAIServingTokenization(OpenAIServing):
                     request.add_generation_prompt,
                     request.continue_final_message,
                     request.chat_template_kwargs,
+                    self.ctx.limits.chat_template_budget,
                 )
             except ValueError as e:
                 raise bad_request(str(e)) from None
         else:
             text = request.prompt
         ids = await self.tokenize_text(text, request.add_special_tokens)
+        self._check_count(len(ids), "tokenization")
         strs = None
         if request.return_token_strs:
             strs = list(self.ctx.tokenizer.convert_ids_to_tokens(ids))
@@ -94,12 +101,27 @@ class OpenAIServingTokenization(OpenAIServing):
 
     async def create_detokenize(self, request: DetokenizeRequest) -> DetokenizeResponse:
         self.check_request(request)
+        self._check_count(len(request.tokens), "detokenization")
         tok = self.ctx.tokenizer
         size = len(tok)
-        bad = [t for t in request.tokens if not 0 <= t < size]
-        if bad:
+
+        def decode() -> str:  # the vocabulary check walks every id: off the event loop too
+            bad = next((t for t in request.tokens if not 0 <= t < size), None)
+            if bad is not None:
+                raise bad_request(
+                    f"Token id {bad} is out of vocabulary (valid ids are 0..{size - 1}).",
+                    "tokens",
+                )
+            return tok.decode(request.tokens)
+
+        return DetokenizeResponse(prompt=await asyncio.to_thread(decode))
+
+    def _check_count(self, count: int, operation: str) -> None:
+        """vLLM's rule: no more tokens than the model's context in or out of the tokenizer."""
+        limit = self.ctx.max_model_len
+        if count > limit:
             raise bad_request(
-                f"Token id {bad[0]} is out of vocabulary (valid ids are 0..{size - 1}).", "tokens"
+                f"This model's maximum context length is {limit} tokens. However, you "
+                f"requested {count} tokens in the input for {operation}. Please reduce the "
+                "length of the input."
             )
-        text = await asyncio.to_thread(tok.decode, request.tokens)
-        return DetokenizeResponse(prompt=text)

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncGenerator, AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator, Callable
 from typing import Any, TypeVar
 
 import anyio
@@ -28,9 +28,14 @@ def sse_event(payload: str) -> str:
 
 
 class SSEResponse(StreamingResponse):
-    """``text/event-stream`` response that ends (and closes its iterator) on client disconnect."""
+    """``text/event-stream`` response that ends (and closes its iterator) on client disconnect;
+    ``on_close`` runs when it ends, however it ends."""
 
     media_type = "text/event-stream"
+
+    def __init__(self, content: Any, on_close: Callable[[], None] | None = None) -> None:
+        super().__init__(content)
+        self.on_close = on_close
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         try:
@@ -52,6 +57,8 @@ class SSEResponse(StreamingResponse):
             if closer is not None:
                 with anyio.CancelScope(shield=True):
                     await closer()
+            if self.on_close is not None:
+                self.on_close()
 
 
 async def wait_for_disconnect(receive: Receive) -> None:
