@@ -14,7 +14,7 @@ import asyncio
 import queue
 import threading
 import traceback
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
@@ -122,6 +122,8 @@ class AsyncLLMEngine:
         self._pool = ThreadPoolExecutor(max_workers=input_workers,
                                         thread_name_prefix="vllm-input")
         self.dead_error: BaseException | None = None
+        # Called (from the engine thread) once the loop has died: the server stops on it.
+        self.on_dead: Callable[[BaseException], None] | None = None
         self._queue = _QueueCounter()
         self._stopping = False
         self._thread = threading.Thread(target=self._loop, name="vllm-engine", daemon=True)
@@ -274,7 +276,12 @@ class AsyncLLMEngine:
                         stream.put(out.error if out.error is not None else out)
         except BaseException as e:  # the loop itself failed: fail everyone, stay dead
             self.dead_error = e
-            logger.error("Engine loop failed:\n%s", traceback.format_exc())
+            logger.debug("Engine loop failed:\n%s", traceback.format_exc())
+            logger.error("Engine failed, no request can be served%s: %s: %s",
+                         "; the server exits with status 1" if self.on_dead else "",
+                         type(e).__name__, e)
+            if self.on_dead is not None:
+                self.on_dead(e)
         err = self.dead_error or EngineDeadError("engine shut down")
         for stream in list(self._streams.values()):
             stream.put(EngineDeadError(f"engine loop stopped: {err!r}"))

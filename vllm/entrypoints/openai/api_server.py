@@ -350,10 +350,16 @@ def run_server(args: argparse.Namespace) -> None:
             args.host or "0.0.0.0",
             sock.getsockname()[1],
         )
-        _serve(DrainingServer(config, engine, shutdown_timeout), sock)
+        server = DrainingServer(config, engine, shutdown_timeout)
+        # A dead engine (a failed GPU, say) cannot serve again: stop, so that a supervisor
+        # restarts the process instead of it answering /health with 503 forever.
+        engine.on_dead = lambda error: setattr(server, "should_exit", True)
+        _serve(server, sock)
     finally:
         engine.shutdown()
         sock.close()
+    if engine.dead_error is not None:  # logged by the engine loop as it died
+        raise SystemExit(1)
 
 
 def main(argv: list[str] | None = None) -> None:
