@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import asyncio
 import base64
-import http.server
 import io
 import ipaddress
 import threading
@@ -16,17 +15,10 @@ from collections.abc import Iterator
 from typing import Any
 
 import pytest
+from helpers.image_hosts import PNG, image_hosts
 
 from vllm.multimodal import image as image_mod
 from vllm.multimodal.image import ImageMediaConnector, decode_image
-
-
-def _png(size: tuple[int, int] = (20, 20)) -> bytes:
-    from PIL import Image
-
-    buf = io.BytesIO()
-    Image.new("RGB", size, (200, 30, 60)).save(buf, format="PNG")
-    return buf.getvalue()
 
 
 def data_url(data: bytes) -> str:
@@ -34,57 +26,13 @@ def data_url(data: bytes) -> str:
 
 
 GENEROUS = 5.0  # seconds: far above the injected deadlines
-PNG = _png()
-
-
-class _Host(http.server.BaseHTTPRequestHandler):
-    """/img.png; /slow (one byte every 20 ms, 200 in all); /to?u=URL (a 302 to URL)."""
-
-    def do_GET(self) -> None:  # http.server calls do_<METHOD>
-        if self.path == "/img.png":
-            self._head(200, len(PNG))
-            self.wfile.write(PNG)
-        elif self.path == "/slow":
-            self._head(200, 200)
-            for _ in range(200):  # the attacker's pace; it stops as soon as the test ends
-                if self.server.stopping.wait(0.02):  # type: ignore[attr-defined]
-                    return
-                self.wfile.write(b"x")
-                self.wfile.flush()
-        elif self.path.startswith("/to?u="):
-            self.send_response(302)
-            self.send_header("Location", self.path.removeprefix("/to?u="))
-            self.send_header("Content-Length", "0")
-            self.end_headers()
-
-    def _head(self, status: int, length: int) -> None:
-        self.send_response(status)
-        self.send_header("Content-Type", "image/png")
-        self.send_header("Content-Length", str(length))
-        self.end_headers()
-
-    def log_message(self, *args: object) -> None:
-        pass
-
-
-def _serve() -> tuple[http.server.ThreadingHTTPServer, int]:
-    httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _Host)
-    httpd.stopping = threading.Event()  # type: ignore[attr-defined]
-    httpd.daemon_threads = True
-    threading.Thread(target=httpd.serve_forever, daemon=True).start()
-    return httpd, httpd.server_address[1]
 
 
 @pytest.fixture(scope="module")
-def hosts() -> Iterator[tuple[int, int]]:
+def hosts() -> Iterator[tuple[int, ...]]:
     """Two image hosts on loopback: their ports."""
-    a, port_a = _serve()
-    b, port_b = _serve()
-    yield port_a, port_b
-    for httpd in (a, b):
-        httpd.stopping.set()  # type: ignore[attr-defined]
-        httpd.shutdown()
-        httpd.server_close()
+    with image_hosts(2) as ports:
+        yield ports
 
 
 def test_large_jpegs_decode_at_a_reduced_scale() -> None:

@@ -5,70 +5,25 @@ decoding and fetching rules themselves: tests/multimodal/test_image_fetch.py).""
 
 from __future__ import annotations
 
-import http.server
-import threading
 from collections.abc import Iterator
 
 import httpx
 import pytest
 from attack_utils import run_attack
+from helpers.image_hosts import image_hosts
 from openai_server_utils import RunningServer, image_message, png_bytes, start_server
 from test_bad_input_catalogue import data_url, png_header
 
 from vllm.engine.async_llm_engine import AsyncLLMEngine
 
 GENEROUS = 5.0  # seconds: far above the injected deadlines
-PNG = png_bytes((20, 20))
-
-
-class _Host(http.server.BaseHTTPRequestHandler):
-    """/img.png; /slow (one byte every 20 ms, 200 in all); /to?u=URL (a 302 to URL)."""
-
-    def do_GET(self) -> None:  # http.server calls do_<METHOD>
-        if self.path == "/img.png":
-            self._head(200, len(PNG))
-            self.wfile.write(PNG)
-        elif self.path == "/slow":
-            self._head(200, 200)
-            for _ in range(200):  # the attacker's pace; it stops as soon as the test ends
-                if self.server.stopping.wait(0.02):  # type: ignore[attr-defined]
-                    return
-                self.wfile.write(b"x")
-                self.wfile.flush()
-        elif self.path.startswith("/to?u="):
-            self.send_response(302)
-            self.send_header("Location", self.path.removeprefix("/to?u="))
-            self.send_header("Content-Length", "0")
-            self.end_headers()
-
-    def _head(self, status: int, length: int) -> None:
-        self.send_response(status)
-        self.send_header("Content-Type", "image/png")
-        self.send_header("Content-Length", str(length))
-        self.end_headers()
-
-    def log_message(self, *args: object) -> None:
-        pass
-
-
-def _serve() -> tuple[http.server.ThreadingHTTPServer, int]:
-    httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _Host)
-    httpd.stopping = threading.Event()  # type: ignore[attr-defined]
-    httpd.daemon_threads = True
-    threading.Thread(target=httpd.serve_forever, daemon=True).start()
-    return httpd, httpd.server_address[1]
 
 
 @pytest.fixture(scope="module")
-def hosts() -> Iterator[tuple[int, int]]:
+def hosts() -> Iterator[tuple[int, ...]]:
     """Two image hosts on loopback: their ports."""
-    a, port_a = _serve()
-    b, port_b = _serve()
-    yield port_a, port_b
-    for httpd in (a, b):
-        httpd.stopping.set()  # type: ignore[attr-defined]
-        httpd.shutdown()
-        httpd.server_close()
+    with image_hosts(2) as ports:
+        yield ports
 
 
 def _chat(srv: RunningServer, url: str) -> httpx.Response:
