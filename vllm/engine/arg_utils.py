@@ -22,7 +22,7 @@ from vllm.config import (
 from vllm.engine.cli_args import add_engine_cli_args, parse_limit_mm_per_prompt
 from vllm.logger import init_logger
 from vllm.transformers_utils.config import load_mllama_config
-from vllm.transformers_utils.demo_checkpoints import resolve_model
+from vllm.transformers_utils.hub import resolve_model
 
 logger = init_logger(__name__)
 
@@ -36,6 +36,11 @@ class EngineArgs:
 
     model: str = "demo/mllama-tiny"
     tokenizer: str | None = None
+    # Hub IDs (``transformers_utils/hub.py``): the revision of the model (and of its tokenizer
+    # when --tokenizer is not given), of a separate --tokenizer, and the cache folder.
+    revision: str | None = None
+    tokenizer_revision: str | None = None
+    download_dir: str | None = None
     served_model_name: str | list[str] | None = None
     dtype: str = "auto"
     seed: int | None = 0
@@ -70,8 +75,6 @@ class EngineArgs:
     enable_prefix_caching: bool | None = None
     enable_chunked_prefill: bool | None = None
     tokenizer_mode: str = "auto"
-    revision: str | None = None
-    download_dir: str | None = None
 
     @classmethod
     def add_cli_args(cls, parser: argparse.ArgumentParser,
@@ -114,8 +117,12 @@ class EngineArgs:
     def create_engine_config(self) -> VllmConfig:
         self._check_unsupported()
         device = self._device()
-        path = resolve_model(self.model)
-        tok_path = resolve_model(self.tokenizer) if self.tokenizer else path
+        path = resolve_model(self.model, revision=self.revision, download_dir=self.download_dir,
+                             weights=self.load_format != "dummy")
+        tok_path = path
+        if self.tokenizer and self.tokenizer != self.model:
+            tok_path = resolve_model(self.tokenizer, revision=self.tokenizer_revision,
+                                     download_dir=self.download_dir, weights=False)
         spec = load_mllama_config(path)
         dtype = resolve_dtype(self.dtype, spec.torch_dtype, device)
         limits = parse_limit_mm_per_prompt(self.limit_mm_per_prompt)

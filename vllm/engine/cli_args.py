@@ -109,10 +109,24 @@ class _FlattenIntLists(argparse.Action):
 # Help, type and choices for each field; flags use vLLM's names (the field name, dashed).
 _FLAG_SPECS: dict[str, dict[str, Any]] = {
     "model": {
-        "help": "Name or path of the Hugging Face checkpoint folder (or a built-in demo "
-        "name such as demo/mllama-tiny)."
+        "help": "A Hugging Face hub model ID (meta-llama/Llama-3.2-11B-Vision-Instruct: "
+        "downloaded, or read from the hub cache when offline), a local checkpoint folder, or "
+        "a built-in demo name such as demo/mllama-tiny."
     },
-    "tokenizer": {"help": "Tokenizer folder; defaults to the model's."},
+    "tokenizer": {
+        "help": "Tokenizer folder or hub ID; defaults to the model's (at the model's --revision)."
+    },
+    "revision": {
+        "help": "Hub branch, tag or commit of the model (a hub ID only; local folders and demo "
+        "names have none). Default: the repository's main branch."
+    },
+    "tokenizer_revision": {
+        "help": "Hub branch, tag or commit of a separate --tokenizer. Default: its main branch."
+    },
+    "download_dir": {
+        "help": "Folder of the hub cache that models are downloaded into and read from "
+        "(default: huggingface_hub's, HF_HUB_CACHE or $HF_HOME/hub)."
+    },
     "served_model_name": {
         "nargs": "+",
         "help": "Model name(s) used in the API. The first "
@@ -216,8 +230,6 @@ _FLAG_SPECS: dict[str, dict[str, Any]] = {
         "help": "Accepted; prompts are prefilled whole.",
     },
     "tokenizer_mode": {"help": "Accepted for compatibility (the fast tokenizer is used)."},
-    "revision": {"help": "Accepted for compatibility (local folders only)."},
-    "download_dir": {"help": "Accepted for compatibility (local folders only)."},
 }
 _SHORT_FLAGS = {"quantization": "-q", "tensor_parallel_size": "-tp"}
 
