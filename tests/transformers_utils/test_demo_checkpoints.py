@@ -253,7 +253,7 @@ def test_full_size_parameter_counts() -> None:
 def test_full_size_configs_need_no_llama_models(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None)
     assert dc.build_demo_config("demo/mllama-90b")["text_config"]["hidden_size"] == 8192
-    with pytest.raises(RuntimeError, match="pip install llama-models"):
+    with pytest.raises(dtok.DemoCheckpointError, match="pip install llama-models"):
         dtok.llama3_ranks_path()
 
 
