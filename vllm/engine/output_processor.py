@@ -167,7 +167,8 @@ class OutputProcessor:
             prompt_logprobs=req.prompt_logprobs,
             outputs=[self._completion(s, kind == RequestOutputKind.DELTA) for s in seqs],
             finished=finished, metrics=self._metrics(req), num_images=req.inputs.num_images,
-            encoder_prompt_token_ids=None, error=req.error)
+            encoder_prompt=req.inputs.encoder_prompt,
+            encoder_prompt_token_ids=req.inputs.encoder_prompt_token_ids, error=req.error)
         if finished:
             self.forget(req)
         return out

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from functools import cached_property
 from typing import Any
 
 import torch
@@ -46,6 +47,8 @@ class ProcessedInputs:
     last_group: tuple[int, int] | None = None
     prompt: str | None = None
     tokens_per_tile: int = 0
+    image_token_id: int = 0
+    image_token: str = "<|image|>"
 
     def image_token_offsets(self) -> list[int]:
         """Start of each image in the request's packed vision tokens (plus the total)."""
@@ -75,6 +78,17 @@ class ProcessedInputs:
     def num_images(self) -> int:
         return self.images.num_images if self.images else 0
 
+    @cached_property
+    def encoder_prompt_token_ids(self) -> list[int]:
+        """vLLM's encoder prompt for this model: one image token per vision token of the last
+        image group (1,601 per 560-px tile), empty without images. Usage counts add it to the
+        decoder prompt, as vLLM's do; built once per request and shared by its outputs."""
+        return [self.image_token_id] * self.encoder_seq_len
+
+    @cached_property
+    def encoder_prompt(self) -> str:
+        return self.image_token * self.encoder_seq_len
+
 
 def _as_image_list(data: Any) -> list[Any]:
     from PIL import Image
@@ -102,6 +116,7 @@ class MllamaInputProcessor:
         # the pinning happen in the input-processing thread, off the step's critical path.
         self.pixel_dtype = pixel_dtype
         self.pin_memory = pin_memory
+        self.image_token = str(tokenizer.convert_ids_to_tokens(spec.image_token_id))
 
     def process_images(self, images: Sequence[Any]) -> ImageInputs:
         out = self.image_processor(images=[list(images)], return_tensors="pt")
@@ -150,6 +165,8 @@ class MllamaInputProcessor:
             last_group=last_group(token_ids, spec.image_token_id),
             prompt=prompt,
             tokens_per_tile=spec.vision.tokens_per_tile,
+            image_token_id=spec.image_token_id,
+            image_token=self.image_token,
         )
 
     def process(self, prompt: Any) -> ProcessedInputs:
@@ -188,7 +205,7 @@ class MllamaInputProcessor:
         enc = {"prompt": enc} if isinstance(enc, str) else enc
         images = self._images_of(enc)
         enc_text = enc.get("prompt", "")
-        image_tok = self.tokenizer.convert_ids_to_tokens(self.spec.image_token_id)
+        image_tok = self.image_token
         if enc_text.replace(image_tok, "").strip():
             raise ValueError("encoder_prompt may only contain image tokens for this model")
         if isinstance(dec, dict) and "prompt_token_ids" in dec:
