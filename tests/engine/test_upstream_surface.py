@@ -54,3 +54,26 @@ def test_encoder_prompt_counts_vision_tokens_of_the_last_group(llm: LLM) -> None
     assert group.encoder_prompt == "<|image|>" * both
     assert interleaved.encoder_prompt_token_ids == [IMAGE] * _tiles(llm, tall) * TOKENS_PER_TILE
     assert group.prompt_token_ids.count(IMAGE) == 2  # the decoder prompt is unchanged
+
+
+def test_max_image_tiles_lowers_the_tiling(llm: LLM) -> None:
+    """``mm_processor_kwargs={"max_image_tiles": 2}``: an image that fits 2 tiles is processed
+    exactly as at the model's 4 (same pixels, same aspect-ratio id, zero tiles after); a wider
+    one gets 2 tiles, and its aspect-ratio id names its arrangement in the model's table."""
+    from vllm.multimodal.processing import MllamaInputProcessor, tile_arrangements
+
+    full = llm.llm_engine.input_processor
+    two = MllamaInputProcessor(
+        full.spec, full.tokenizer, full.image_processor, 2, 512,
+        processor_kwargs={"max_image_tiles": 2},
+    )  # fmt: skip
+    fits = _image(112, 56)
+    a, b = full.process_images([fits]), two.process_images([fits])
+    assert a.num_tiles == b.num_tiles == [2]
+    assert b.pixel_values.shape == a.pixel_values.shape
+    assert b.pixel_values.equal(a.pixel_values) and b.aspect_ratio_ids.equal(a.aspect_ratio_ids)
+    for img in (_image(200, 50), _image(50, 200)):
+        out = two.process_images([img])
+        assert out.num_tiles == [2] and not out.pixel_values[0, 2:].any()
+        ratio = full.spec.vision.supported_aspect_ratios[int(out.aspect_ratio_ids[0]) - 1]
+        assert tuple(ratio) in tile_arrangements(2)[1:]  # 1x2 or 2x1, not a 3- or 4-tile one

@@ -34,17 +34,19 @@ logger = init_logger(__name__)
 
 
 def load_generation_config(config: VllmConfig) -> dict[str, Any]:
-    """The checkpoint's generation_config.json (``auto``), none (``vllm``) or a folder's."""
+    """The checkpoint's generation_config.json (``auto``), none (``vllm``) or a folder's, with
+    ``override_generation_config`` over it."""
     choice = config.model_config.generation_config
+    overrides = config.model_config.override_generation_config
     if choice == "vllm":
-        return {}
+        return dict(overrides)
     folder = config.model_config.model_path if choice == "auto" else Path(choice)
     path = folder / "generation_config.json"
     if not path.is_file():
         if choice != "auto":
             raise FileNotFoundError(f"{path}: generation config not found")
-        return {}
-    return json.loads(path.read_text())
+        return dict(overrides)
+    return {**json.loads(path.read_text()), **overrides}
 
 
 class LLMEngine:
@@ -66,7 +68,8 @@ class LLMEngine:
         self.input_processor = MllamaInputProcessor(
             mc.spec, self.tokenizer, get_image_processor(mc.model_path),
             mc.limit_images_per_prompt, config.model_config.max_model_len,
-            pixel_dtype=mc.dtype, pin_memory=self.runner.device.type == "cuda")
+            pixel_dtype=mc.dtype, pin_memory=self.runner.device.type == "cuda",
+            processor_kwargs=mc.mm_processor_kwargs)
         lo = self.runner.layout
         self.block_manager = BlockManager(num_pages, lo.block_size, lo.cross_block_size)
         self.scheduler = Scheduler(config.scheduler_config, self.block_manager,

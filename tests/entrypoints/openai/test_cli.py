@@ -194,7 +194,7 @@ def test_api_key_from_env(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("VLLM_API_KEY", "from-env")
     args = make_parser().parse_args(["serve", "m"])
     validate_parsed_serve_args(args)
-    assert args.api_key == "from-env"
+    assert args.api_key == ["from-env"]
 
 
 def test_demo_11b_without_llama_models_is_one_line(

@@ -5,12 +5,20 @@ from __future__ import annotations
 
 import argparse
 import json
+import ssl
+from pathlib import Path
+from typing import Any
 
 from vllm import envs
+from vllm.engine.arg_parsing import CONFIG_FLAG
 from vllm.engine.arg_utils import EngineArgs
 from vllm.engine.cli_args import resolve_model_tag
+from vllm.logger import init_logger
+
+logger = init_logger(__name__)
 
 UVICORN_LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")
+SSL_CERT_REQS = (int(ssl.CERT_NONE), int(ssl.CERT_OPTIONAL), int(ssl.CERT_REQUIRED))
 
 
 def _json_list(value: str) -> list[str]:
@@ -28,7 +36,17 @@ def make_arg_parser(
 ) -> argparse.ArgumentParser:
     """Adds the server flags and the engine flags to ``parser``."""
     g = parser.add_argument_group("server arguments")
-    g.add_argument("--host", default=None, help="Host name to listen on (default: all interfaces).")
+    g.add_argument(
+        CONFIG_FLAG,
+        default=None,
+        help="A YAML file of flags (max-model-len: 4096; lists for flags taking several "
+        "values); flags on the command line win.",
+    )
+    g.add_argument(
+        "--host",
+        default=None,
+        help="Host name to listen on (default: all interfaces).",
+    )
     g.add_argument("--port", type=int, default=8000, help="Port number (default: 8000).")
     g.add_argument(
         "--uvicorn-log-level",
@@ -60,9 +78,10 @@ def make_arg_parser(
     )
     g.add_argument(
         "--api-key",
+        nargs="+",
         default=None,
-        help="If given (or env VLLM_API_KEY), /v1/* "
-        "requests must send 'Authorization: Bearer <key>'.",
+        help="One or more keys (or env VLLM_API_KEY): /v1/*, /tokenize and /detokenize "
+        "requests must send 'Authorization: Bearer <key>' with one of them.",
     )
     g.add_argument(
         "--chat-template",
@@ -73,8 +92,8 @@ def make_arg_parser(
         "--chat-template-content-format",
         default="auto",
         choices=("auto", "string", "openai"),
-        help="Accepted for compatibility; "
-        "content is always given to the template as OpenAI-style parts.",
+        help="Accepted for compatibility: the server gives the template content as "
+        "OpenAI-style parts, which this model's template expects ('string' warns).",
     )
     g.add_argument(
         "--response-role",
@@ -83,6 +102,29 @@ def make_arg_parser(
     )
     g.add_argument("--ssl-keyfile", default=None, help="SSL key file.")
     g.add_argument("--ssl-certfile", default=None, help="SSL certificate file.")
+    g.add_argument(
+        "--ssl-ca-certs", default=None, help="CA certificates file that client certificates "
+        "are checked against."
+    )
+    g.add_argument(
+        "--ssl-cert-reqs",
+        type=int,
+        default=int(ssl.CERT_NONE),
+        choices=SSL_CERT_REQS,
+        help="Client certificates: 0 not asked for, 1 checked if sent, 2 required (Python's "
+        "ssl.CERT_NONE / CERT_OPTIONAL / CERT_REQUIRED).",
+    )
+    g.add_argument(
+        "--disable-frontend-multiprocessing",
+        action="store_true",
+        help="Accepted: the API server and the engine already run in one process.",
+    )
+    g.add_argument(
+        "--lora-modules",
+        nargs="+",
+        default=None,
+        help="Not supported (an error): LoRA adapters are not implemented.",
+    )
     g.add_argument(
         "--root-path", default=None, help="FastAPI root_path when behind a path-based proxy."
     )
@@ -196,11 +238,48 @@ def validate_parsed_serve_args(args: argparse.Namespace) -> None:
     resolve_model_tag(args)
     if args.model is None:
         args.model = EngineArgs.model
-    if args.api_key is None:
-        args.api_key = envs.VLLM_API_KEY
+    if args.api_key is None and envs.VLLM_API_KEY:
+        args.api_key = [envs.VLLM_API_KEY]
+    if isinstance(args.api_key, str):
+        args.api_key = [args.api_key]
+    if args.lora_modules:
+        raise ValueError("--lora-modules: LoRA adapters are not supported by this engine.")
+    check_ssl_args(args)
     if args.enable_log_requests and args.disable_log_requests:
         raise ValueError("--enable-log-requests and --disable-log-requests conflict.")
     if not 0 <= args.port <= 65535:
         raise ValueError(f"--port must be in 0..65535, got {args.port}")
     if args.max_log_len is not None and args.max_log_len < 0:
         raise ValueError("--max-log-len must be non-negative")
+    if args.chat_template_content_format == "string":
+        logger.warning(
+            "--chat-template-content-format string is not applied by the server: this "
+            "model's chat template reads content as OpenAI-style parts, which it is given."
+        )
+    if args.disable_frontend_multiprocessing:
+        logger.info(
+            "--disable-frontend-multiprocessing: accepted; the API server and the engine "
+            "already run in one process."
+        )
+
+
+def check_ssl_args(args: argparse.Namespace) -> None:
+    """The TLS flags name readable files, and client-certificate checks need TLS."""
+    for flag in ("ssl_keyfile", "ssl_certfile", "ssl_ca_certs"):
+        value = getattr(args, flag)
+        if value is not None and not Path(value).is_file():
+            raise ValueError(f"--{flag.replace('_', '-')}: {value} is not a readable file")
+    if (args.ssl_ca_certs or args.ssl_cert_reqs) and not args.ssl_certfile:
+        raise ValueError("--ssl-ca-certs and --ssl-cert-reqs need --ssl-certfile (TLS)")
+    if args.ssl_cert_reqs and not args.ssl_ca_certs:
+        raise ValueError("--ssl-cert-reqs 1 or 2 needs --ssl-ca-certs to check clients against")
+
+
+def ssl_options(args: argparse.Namespace) -> dict[str, Any]:
+    """uvicorn's TLS settings from the server flags."""
+    return {
+        "ssl_keyfile": args.ssl_keyfile,
+        "ssl_certfile": args.ssl_certfile,
+        "ssl_ca_certs": args.ssl_ca_certs,
+        "ssl_cert_reqs": args.ssl_cert_reqs,
+    }
