@@ -185,6 +185,7 @@ class EngineArgs:
         sched = self._scheduler_config(model_config.max_model_len,
                                        model_config.limit_images_per_prompt,
                                        model_config.spec.vision.max_num_tiles)
+        self._log_device(model_config, device)
         return VllmConfig(
             model_config=model_config,
             cache_config=CacheConfig(block_size=self.block_size,
@@ -232,6 +233,16 @@ class EngineArgs:
                         sched.max_num_seqs)
             sizes = (*sizes, sched.max_num_seqs)
         return sizes or CompilationConfig.default_sizes(sched.max_num_seqs)
+
+    def _log_device(self, mc: ModelConfig, device: torch.device) -> None:
+        """The start-up log says what runs where, and which memory setting applies."""
+        dtype = str(mc.dtype).removeprefix("torch.")
+        logger.info("Model %s: %s weights and activations on %s (--dtype %s; checkpoint %s)",
+                    mc.model, dtype, device.type, self.dtype, mc.spec.torch_dtype)
+        if device.type == "cpu":
+            logger.info("CPU: --gpu-memory-utilization (%g) does not apply; the KV cache holds "
+                        "what the scheduler can use, at most %d GiB", self.gpu_memory_utilization,
+                        CacheConfig.cpu_kv_cache_space_bytes >> 30)
 
     def _max_model_len(self, config_max: int, device: torch.device) -> int:
         if self.max_model_len is not None:

@@ -4,7 +4,8 @@ Flags use vLLM's names (``--max-model-len``); :class:`FlexibleArgumentParser` (`
 also accepts the spellings and forms real launch scripts use (``--max_model_len``, dotted
 dictionary keys, ``--config FILE.yaml``, ``32k``). Each EngineArgs field becomes a flag: the ones
 in ``_FLAG_SPECS`` get vLLM's help text, choices and parsing, and any field added later gets a
-flag derived from its default value, so the CLI never falls behind.
+flag derived from its default value, so the CLI never falls behind. Help shows each flag's
+effective default (``default_text`` where the field's ``None`` is resolved later).
 """
 
 from __future__ import annotations
@@ -107,21 +108,26 @@ _FLAG_SPECS: dict[str, dict[str, Any]] = {
     },
     "tokenizer": {
         "help": "Tokenizer folder or hub ID.",
+        "default_text": "the model's, at its --revision",
     },
     "revision": {
         "help": "Hub branch, tag or commit of the model (a hub ID only; local folders and demo "
         "names have none).",
+        "default_text": "the repository's main branch",
     },
     "tokenizer_revision": {
         "help": "Hub branch, tag or commit of a separate --tokenizer.",
+        "default_text": "its main branch",
     },
     "download_dir": {
         "help": "Folder of the hub cache that models are downloaded into and read from.",
+        "default_text": "huggingface_hub's: HF_HUB_CACHE, else $HF_HOME/hub",
     },
     "served_model_name": {
         "nargs": "+",
         "help": "Model name(s) used in the API. The first "
         "name is used in responses and in the metrics' model_name label.",
+        "default_text": "the --model name (a hub ID, folder or demo name)",
     },
     "dtype": {
         "choices": DTYPE_CHOICES,
@@ -133,40 +139,48 @@ _FLAG_SPECS: dict[str, dict[str, Any]] = {
         "type": human_readable_int,
         "help": "Model context length (prompt plus output), e.g. 4096, 32k (32000) or 32K "
         "(32768).",
+        "default_text": "the model's max_position_embeddings; 8192 on CPU",
     },
     "max_num_seqs": {
         "type": int,
         "help": "Maximum number of sequences per iteration.",
+        "default_text": "256",
     },
     "max_num_batched_tokens": {
         "type": int,
         "help": "Maximum number of tokens per iteration; at least --max-model-len (prompts are "
         "prefilled whole).",
+        "default_text": "max(--max-model-len, 8192)",
     },
     "max_num_encoder_tiles": {
         "type": int,
         "help": "Maximum number of image tiles encoded per iteration.",
+        "default_text": "max tiles per image x max(images per prompt, 4)",
     },
     "decode_interleave_tokens": {
         "type": int,
         "help": "While sequences decode, a prefill step carries at most this many prompt "
         "tokens (at least one request) and a decode step follows it, bounding the gap between "
         "two tokens of a running request. 0: prefill first, whole batches.",
+        "default_text": "256; the offline LLM class: 0",
     },
     "encoder_layers_per_step": {
         "type": int,
         "help": "While sequences decode, images of waiting requests are encoded this many "
         "image-layers per decode step, ahead of their prefill. 0: encode inside the prefill.",
+        "default_text": "4; the offline LLM class: 0",
     },
     "prefill_layers_per_step": {
         "type": int,
         "help": "While sequences decode (interleaved prefill), run an admitted prefill this "
         "many text layers per decode step instead of in one step, so its eager launch is "
         "spread out (a decode step runs next to each slice). 0: one step.",
+        "default_text": "5; the offline LLM class: 0",
     },
     "gpu_memory_utilization": {
         "type": float,
-        "help": "Fraction of GPU memory for the model and its KV cache (0-1].",
+        "help": "Fraction of GPU memory for the model and its KV cache (0-1]. Does not apply "
+        "on CPU, where the KV cache holds what the scheduler can use.",
     },
     "enforce_eager": {
         "action": "store_true",
@@ -177,12 +191,14 @@ _FLAG_SPECS: dict[str, dict[str, Any]] = {
         "nargs": "+",
         "action": _FlattenIntLists,
         "help": "Decode batch sizes to capture as CUDA graphs, e.g. '1 2 4 8' or '1,2,4,8'.",
+        "default_text": "1, 2, 4, then multiples of 8 up to --max-num-seqs",
     },
     "limit_mm_per_prompt": {
         "type": limit_mm_type,
         "action": MergeDictAction,
         "help": "Items per prompt for each modality, as JSON ('{\"image\": 2}'), 'image=2' or "
         "dotted (--limit-mm-per-prompt.image 2). Other modalities may be given as 0.",
+        "default_text": "one image",
     },
     "mm_processor_kwargs": {
         "type": json_dict_type,
@@ -298,6 +314,7 @@ def add_engine_cli_args(parser: argparse.ArgumentParser,
     for f in fields:
         spec = dict(_FLAG_SPECS.get(f.name) or _derived_spec(f.default))
         default_text = f.default if f.default is not dataclasses.MISSING else None
+        default_text = spec.pop("default_text", default_text)
         spec["help"] = f"{spec.get('help', f.name)} (default: {default_text})"
         if spec.get("action") == "store_true":
             spec["default"] = None

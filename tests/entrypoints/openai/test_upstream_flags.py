@@ -214,3 +214,43 @@ def test_ignored_options_warn(vllm_logs: list[str], monkeypatch: pytest.MonkeyPa
         monkeypatch.setenv("VLLM_ATTENTION_BACKEND", backend)
         engine_args().create_engine_config()
         assert any(f"VLLM_ATTENTION_BACKEND={backend}" in m and "Triton" in m for m in vllm_logs)
+
+
+def test_help_shows_the_effective_defaults(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``vllm serve --help`` shows what a flag left out means (256 sequences, not None)."""
+    monkeypatch.setenv("COLUMNS", "1000")  # no wrapping inside a flag's help
+    with pytest.raises(SystemExit) as exc:
+        make_parser().parse_args(["serve", "--help"])
+    assert exc.value.code == 0
+    entries: list[str] = []  # one per flag: its invocation and its help
+    for line in capsys.readouterr().out.splitlines():
+        if line.startswith("  -"):
+            entries.append(line.strip())
+        elif entries and line.startswith("    "):
+            entries[-1] += " " + line.strip()
+
+    def help_of(flag: str) -> str:
+        found = [e for e in entries if e.startswith(f"{flag} ") or f", {flag} " in e]
+        assert found, flag
+        return found[0]
+
+    assert "(default: 256)" in help_of("--max-num-seqs")
+    assert "(default: max(--max-model-len, 8192))" in help_of("--max-num-batched-tokens")
+    assert "8192 on CPU" in help_of("--max-model-len")
+    assert "(default: 256; the offline LLM class: 0)" in help_of("--decode-interleave-tokens")
+    assert "(default: info)" in help_of("--uvicorn-log-level")
+    assert "(default: assistant)" in help_of("--response-role")
+    assert "(default: 0)" in help_of("--ssl-cert-reqs")
+    assert "127.0.0.1 for this machine only" in help_of("--host")
+    for flag in (
+        "--max-num-seqs",
+        "--max-model-len",
+        "--tokenizer",
+        "--served-model-name",
+        "--cuda-graph-sizes",
+        "--max-num-encoder-tiles",
+        "--download-dir",
+    ):
+        assert "(default: None)" not in help_of(flag), flag

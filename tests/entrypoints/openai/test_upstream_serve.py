@@ -192,6 +192,8 @@ def test_upstream_launch_script_end_to_end(certs: dict[str, Path], tmp_path: Pat
         code, log = server.stop()
     assert code == 0, log[-3000:]
     for expected in (
+        "Model demo/mllama-tiny: float32 weights and activations on cpu",
+        "--gpu-memory-utilization (0.9) does not apply",
         "Ignoring swap_space=8.0: there is no CPU swap space",
         "Ignoring tokenizer_mode='slow'",
         "VLLM_ATTENTION_BACKEND=FLASH_ATTN names an upstream vLLM back-end",

@@ -45,7 +45,8 @@ def make_arg_parser(
     g.add_argument(
         "--host",
         default=None,
-        help="Host name to listen on (default: all interfaces).",
+        help="Host name or address to listen on; 127.0.0.1 for this machine only (default: "
+        "all interfaces).",
     )
     g.add_argument("--port", type=int, default=8000, help="Port number (default: 8000).")
     g.add_argument(
@@ -171,8 +172,21 @@ def make_arg_parser(
         "/tokenize and /detokenize always require it.",
     )
     add_server_limit_args(parser)
+    show_defaults(g)
     EngineArgs.add_cli_args(parser, positional_model=positional_model)
     return parser
+
+
+def show_defaults(group: argparse._ArgumentGroup) -> None:
+    """Appends ``(default: X)`` to the help of each flag in ``group`` that does not say it."""
+    for action in group._group_actions:
+        text = action.help or ""
+        if action.default is None or action.default is False or "default" in text.lower():
+            continue
+        shown = action.default
+        if isinstance(shown, list):
+            shown = json.dumps(shown)
+        action.help = f"{text} (default: {shown})"
 
 
 # (flag, type, default, help) of the server limits; docs/security.md lists every limit.
