@@ -110,6 +110,25 @@ class ServerProcess:
             if text in line:
                 return
 
+    def wait_listening(self, port: int, timeout: float) -> None:
+        """Until ``port`` accepts a connection: uvicorn starts listening on the socket
+        ``vllm serve`` bound once its start-up is complete. Between refused attempts, waits
+        for output for a moment (and keeps it)."""
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                socket.create_connection(("127.0.0.1", port), timeout=5).close()
+                return
+            except ConnectionRefusedError:
+                assert time.monotonic() < deadline, "".join(self.lines[-40:])
+                assert self.proc.poll() is None, "".join(self.lines[-40:])
+            try:
+                line = self._queue.get(timeout=0.05)
+            except queue.Empty:
+                continue
+            if line is not None:
+                self.lines.append(line)
+
     def stop(self) -> tuple[int, str]:
         """SIGINT, then the exit status and the whole output."""
         self.proc.send_signal(signal.SIGINT)
@@ -144,7 +163,7 @@ def _launch(certs: dict[str, Path], tmp_path: Path, port: int) -> ServerProcess:
         "ssl-cert-reqs: 2\n"
         "disable-frontend-multiprocessing: true\n"
         "swap-space: 8\n"
-        "uvicorn-log-level: warning\n"
+        "uvicorn-log-level: info\n"
     )
     cmd = [
         sys.executable, "-m", "vllm.entrypoints.cli.main", "serve", "--config", str(config),
@@ -174,9 +193,8 @@ def test_upstream_launch_script_end_to_end(certs: dict[str, Path], tmp_path: Pat
     server = _launch(certs, tmp_path, port)
     url = f"https://127.0.0.1:{port}"
     try:
-        # Logged just before uvicorn starts; the socket is already listening, so requests
-        # wait in its backlog meanwhile.
-        server.wait_for("Serving ", START_TIMEOUT_S)
+        server.wait_for("Application startup complete", START_TIMEOUT_S)
+        server.wait_listening(port, timeout=30)  # uvicorn listens right after that line
         with _client(certs, with_cert=True) as client:
             r = client.get(f"{url}/v1/models", headers={"Authorization": "Bearer key-b"})
             assert r.status_code == 200, r.text
