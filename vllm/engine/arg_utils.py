@@ -289,3 +289,9 @@ class EngineArgs:
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
+
+
+@dataclass
+class AsyncEngineArgs(EngineArgs):
+    """vLLM's name for the arguments of :class:`~vllm.engine.async_llm_engine.AsyncLLMEngine`;
+    the same fields here (the server's request-logging flags are server flags)."""

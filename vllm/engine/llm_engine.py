@@ -103,6 +103,22 @@ class LLMEngine:
         return cls(args.create_engine_config(), log_stats=not args.disable_log_stats,
                    async_scheduling=args.async_scheduling)
 
+    @property
+    def vllm_config(self) -> VllmConfig:
+        """The engine's configuration (upstream's name for it; also ``self.config``)."""
+        return self.config
+
+    @property
+    def model_config(self) -> Any:
+        """``vllm_config.model_config``: the model, its dtype, ``max_model_len``, ..."""
+        return self.config.model_config
+
+    def get_model_config(self) -> Any:
+        return self.config.model_config
+
+    def get_vllm_config(self) -> VllmConfig:
+        return self.config
+
     # ------------------------------------------------------------------ requests
     def default_sampling_params(self) -> SamplingParams:
         """SamplingParams with the checkpoint's generation-config defaults."""

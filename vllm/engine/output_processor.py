@@ -175,8 +175,11 @@ class OutputProcessor:
 
     @staticmethod
     def _metrics(req: Request) -> RequestMetrics:
+        arrival = req.arrival_time + _MONO_TO_WALL
+        scheduled = req.first_scheduled_time
         return RequestMetrics(
-            arrival_time=req.arrival_time + _MONO_TO_WALL,
-            first_scheduled_time=req.first_scheduled_time, first_token_time=req.first_token_time,
+            arrival_time=arrival,
+            first_scheduled_time=scheduled, first_token_time=req.first_token_time,
             last_token_time=req.last_token_time, finished_time=req.finished_time,
+            time_in_queue=None if scheduled is None else max(0.0, scheduled - arrival),
             num_preemptions=req.num_preemptions)
