@@ -13,6 +13,8 @@ Endpoints, as the hub serves them:
   and ``X-Linked-Size``.
 
 Every request is recorded in ``requests`` (method, path) so tests can check what was fetched.
+A repository in ``private`` answers only requests carrying its token (``Authorization: Bearer``)
+and 401 ``RepoNotFound`` otherwise, as the hub does.
 """
 
 from __future__ import annotations
@@ -47,8 +49,11 @@ class Revision:
 class FakeHub:
     """Serves ``repos`` (repo id -> its revisions) on 127.0.0.1 until ``close()``."""
 
-    def __init__(self, repos: dict[str, list[Revision]]) -> None:
+    def __init__(
+        self, repos: dict[str, list[Revision]], private: dict[str, str] | None = None
+    ) -> None:
         self.repos = repos
+        self.private = private or {}
         self.requests: list[tuple[str, str]] = []
         self.blobs = {
             hashlib.sha256(data).hexdigest(): data
@@ -118,6 +123,11 @@ class FakeHub:
         return self._send(h, 404, b"{}", {"X-Error-Code": "EntryNotFound"})
 
     def _missing(self, h: BaseHTTPRequestHandler, repo: str, rev: str) -> Revision | None:
+        token = self.private.get(repo)
+        if token is not None and h.headers.get("Authorization") != f"Bearer {token}":
+            msg = json.dumps({"error": "Invalid username or password."}).encode()
+            self._send(h, 401, msg, {"X-Error-Code": "RepoNotFound"})
+            return None
         found = self.find(repo, rev)
         if found is None:
             code = "RevisionNotFound" if repo in self.repos else "RepoNotFound"

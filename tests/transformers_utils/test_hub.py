@@ -140,8 +140,9 @@ def hub() -> Any:
             Revision({**files, "config.json": json.dumps(v2).encode()}, names=("v2",)),
         ],
         "org/tokenizer-only": [Revision(tok)],
+        "org/private": [Revision(tok)],
     }
-    server = FakeHub(repos)
+    server = FakeHub(repos, private={"org/private": "secret-token"})
     yield server
     server.close()
 
@@ -165,6 +166,13 @@ def test_download_from_a_loopback_hub(hub: FakeHub, tmp_path: Path) -> None:
         "no_repo": {"name": "org/missing"},
         "no_rev": {"name": REPO, "revision": "nope"},
         "gen": {"generate": True, "model": REPO, "max_model_len": 64, "max_num_seqs": 2},
+        "private": {"name": "org/private", "weights": False},
+        "token": {
+            "engine": True,
+            "model": REPO,
+            "tokenizer": "org/private",
+            "hf_token": "secret-token",
+        },
     }
     out = _run(env, calls)
     main, v2 = hub.repos[REPO]
@@ -188,6 +196,9 @@ def test_download_from_a_loopback_hub(hub: FakeHub, tmp_path: Path) -> None:
     assert "no such model" in out["no_repo"]["message"]
     assert "no such revision" in out["no_rev"]["message"]
     assert out["gen"] == {"tokens": 2}
+    assert out["private"]["error"] == "ModelNotFoundError"
+    assert "private: set HF_TOKEN" in out["private"]["message"]
+    assert "models--org--private" in out["token"]["tokenizer"]  # --hf-token is sent
     served = len(hub.requests)
     offline = _run({**env, "HF_HUB_OFFLINE": "1"}, {"main": calls["main"], "v2": calls["v2"]})
     assert offline["main"] == out["main"] and offline["v2"] == out["v2"]

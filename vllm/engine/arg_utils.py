@@ -56,6 +56,7 @@ class EngineArgs:
     revision: str | None = None
     tokenizer_revision: str | None = None
     download_dir: str | None = None
+    hf_token: str | None = None
     served_model_name: str | list[str] | None = None
     dtype: str = "auto"
     seed: int | None = 0
@@ -201,11 +202,12 @@ class EngineArgs:
     def _model_config(self, device: torch.device) -> ModelConfig:
         """The checkpoint (resolved to a folder, downloaded if need be) and how to run it."""
         path = resolve_model(self.model, revision=self.revision, download_dir=self.download_dir,
-                             weights=self.load_format != "dummy")
+                             weights=self.load_format != "dummy", token=self.hf_token)
         tok_path = path
         if self.tokenizer and self.tokenizer != self.model:
             tok_path = resolve_model(self.tokenizer, revision=self.tokenizer_revision,
-                                     download_dir=self.download_dir, weights=False)
+                                     download_dir=self.download_dir, weights=False,
+                                     token=self.hf_token)
         spec = load_mllama_config(path, self.hf_overrides)
         limits = parse_limit_mm_per_prompt(self.limit_mm_per_prompt)
         served = self.served_model_name

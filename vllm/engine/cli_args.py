@@ -119,6 +119,10 @@ _FLAG_SPECS: dict[str, dict[str, Any]] = {
         "help": "Hub branch, tag or commit of a separate --tokenizer.",
         "default_text": "its main branch",
     },
+    "hf_token": {
+        "help": "Hub token for gated or private models.",
+        "default_text": "huggingface_hub's: HF_TOKEN, else a saved login",
+    },
     "download_dir": {
         "help": "Folder of the hub cache that models are downloaded into and read from.",
         "default_text": "huggingface_hub's: HF_HUB_CACHE, else $HF_HOME/hub",

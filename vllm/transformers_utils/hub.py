@@ -46,10 +46,12 @@ def resolve_model(
     revision: str | None = None,
     download_dir: str | None = None,
     weights: bool = True,
+    token: str | bool | None = None,
 ) -> Path:
     """The local folder holding checkpoint ``name`` (see the module docstring).
 
-    ``revision`` (a branch, tag or commit) and ``download_dir`` apply to hub IDs only;
+    ``revision`` (a branch, tag or commit), ``download_dir`` and ``token`` (``--hf-token``;
+    default: huggingface_hub's, ``HF_TOKEN`` or a saved login) apply to hub IDs only;
     ``weights=False`` fetches the configuration and tokenizer files without the shards (for
     ``--load-format dummy`` and for a separate tokenizer).
     """
@@ -68,7 +70,7 @@ def resolve_model(
             f"Pass a checkpoint folder, a hub ID, or a demo name ({', '.join(DEMO_MODELS)})."
         )
     patterns = [*CONFIG_PATTERNS, *(WEIGHT_PATTERNS if weights else ())]
-    return download_snapshot(name, revision, download_dir, patterns)
+    return download_snapshot(name, revision, download_dir, patterns, token)
 
 
 def looks_like_hub_id(name: str) -> bool:
@@ -86,7 +88,11 @@ def looks_like_hub_id(name: str) -> bool:
 
 
 def download_snapshot(
-    repo_id: str, revision: str | None, download_dir: str | None, patterns: list[str]
+    repo_id: str,
+    revision: str | None,
+    download_dir: str | None,
+    patterns: list[str],
+    token: str | bool | None = None,
 ) -> Path:
     """``snapshot_download`` of the files matching ``patterns``; hub errors become a
     :class:`ModelNotFoundError` that names the model, the revision and the cache."""
@@ -102,6 +108,7 @@ def download_snapshot(
             cache_dir=download_dir,
             allow_patterns=patterns,
             ignore_patterns=list(IGNORE_PATTERNS),
+            token=token,
         )
     except Exception as e:  # every hub failure is reported the same way, below
         raise ModelNotFoundError(_explain(e, where, cache)) from e

@@ -254,3 +254,12 @@ def test_help_shows_the_effective_defaults(
         "--download-dir",
     ):
         assert "(default: None)" not in help_of(flag), flag
+
+
+def test_tool_calling_and_guided_decoding_flags(vllm_logs: list[str]) -> None:
+    for flags in (("--enable-auto-tool-choice",), ("--tool-call-parser", "llama3_json")):
+        with pytest.raises(ValueError, match="tool calling is not supported"):
+            serve_args(*flags)
+    serve_args("--guided-decoding-backend", "xgrammar")
+    assert any("Ignoring --guided-decoding-backend xgrammar" in m for m in vllm_logs)
+    assert engine_args("--hf-token", "hf_abc").hf_token == "hf_abc"

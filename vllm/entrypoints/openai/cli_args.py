@@ -127,6 +127,22 @@ def make_arg_parser(
         help="Not supported (an error): LoRA adapters are not implemented.",
     )
     g.add_argument(
+        "--enable-auto-tool-choice",
+        action="store_true",
+        help="Not supported (an error): tool calling is not implemented.",
+    )
+    g.add_argument(
+        "--tool-call-parser",
+        default=None,
+        help="Not supported (an error): tool calling is not implemented.",
+    )
+    g.add_argument(
+        "--guided-decoding-backend",
+        default=None,
+        help="Accepted with a warning: structured output is not implemented; requests "
+        "asking for it get a 400.",
+    )
+    g.add_argument(
         "--root-path", default=None, help="FastAPI root_path when behind a path-based proxy."
     )
     g.add_argument(
@@ -256,8 +272,6 @@ def validate_parsed_serve_args(args: argparse.Namespace) -> None:
         args.api_key = [envs.VLLM_API_KEY]
     if isinstance(args.api_key, str):
         args.api_key = [args.api_key]
-    if args.lora_modules:
-        raise ValueError("--lora-modules: LoRA adapters are not supported by this engine.")
     check_ssl_args(args)
     if args.enable_log_requests and args.disable_log_requests:
         raise ValueError("--enable-log-requests and --disable-log-requests conflict.")
@@ -265,6 +279,25 @@ def validate_parsed_serve_args(args: argparse.Namespace) -> None:
         raise ValueError(f"--port must be in 0..65535, got {args.port}")
     if args.max_log_len is not None and args.max_log_len < 0:
         raise ValueError("--max-log-len must be non-negative")
+    check_upstream_only_flags(args)
+
+
+def check_upstream_only_flags(args: argparse.Namespace) -> None:
+    """Upstream server flags for what this server does not have: refused, or accepted with a
+    message that says why nothing changes (docs/compatibility.md lists them)."""
+    if args.lora_modules:
+        raise ValueError("--lora-modules: LoRA adapters are not supported by this engine.")
+    if args.enable_auto_tool_choice or args.tool_call_parser:
+        raise ValueError(
+            "--enable-auto-tool-choice / --tool-call-parser: tool calling is not supported by "
+            "this engine (requests with tools and tool_choice other than 'none' get a 400)."
+        )
+    if args.guided_decoding_backend:
+        logger.warning(
+            "Ignoring --guided-decoding-backend %s: structured output is not supported; "
+            "requests that ask for it get a 400.",
+            args.guided_decoding_backend,
+        )
     if args.chat_template_content_format == "string":
         logger.warning(
             "--chat-template-content-format string is not applied by the server: this "
