@@ -118,7 +118,7 @@ def download_snapshot(
 
 def _explain(error: Exception, where: str, cache: str) -> str:
     """One message for a failed ``snapshot_download``."""
-    from huggingface_hub import is_offline_mode
+    from huggingface_hub import constants
     from huggingface_hub.errors import (
         GatedRepoError,
         LocalEntryNotFoundError,
@@ -141,7 +141,7 @@ def _explain(error: Exception, where: str, cache: str) -> str:
     if isinstance(error, LocalEntryNotFoundError):
         why = (
             "hub access is off (HF_HUB_OFFLINE=1)"
-            if is_offline_mode()
+            if constants.HF_HUB_OFFLINE
             else f"the hub cannot be reached ({_first_line(error)})"
         )
         return (
