@@ -36,6 +36,19 @@ def make_arg_parser(
 ) -> argparse.ArgumentParser:
     """Adds the server flags and the engine flags to ``parser``."""
     g = parser.add_argument_group("server arguments")
+    _add_http_args(g)
+    _add_chat_args(g)
+    _add_tls_args(g)
+    _add_upstream_only_args(g)
+    _add_media_and_logging_args(g)
+    add_server_limit_args(parser)
+    show_defaults(g)
+    EngineArgs.add_cli_args(parser, positional_model=positional_model)
+    return parser
+
+
+def _add_http_args(g: argparse._ArgumentGroup) -> None:
+    """Where to listen, uvicorn's logging, CORS."""
     g.add_argument(
         CONFIG_FLAG,
         default=None,
@@ -77,6 +90,10 @@ def make_arg_parser(
         default=["*"],
         help="CORS: allowed headers, as a JSON list.",
     )
+
+
+def _add_chat_args(g: argparse._ArgumentGroup) -> None:
+    """API keys and the chat template."""
     g.add_argument(
         "--api-key",
         nargs="+",
@@ -101,47 +118,10 @@ def make_arg_parser(
         default="assistant",
         help="Role of generated messages when add_generation_prompt is true.",
     )
-    g.add_argument("--ssl-keyfile", default=None, help="SSL key file.")
-    g.add_argument("--ssl-certfile", default=None, help="SSL certificate file.")
-    g.add_argument(
-        "--ssl-ca-certs", default=None, help="CA certificates file that client certificates "
-        "are checked against."
-    )
-    g.add_argument(
-        "--ssl-cert-reqs",
-        type=int,
-        default=int(ssl.CERT_NONE),
-        choices=SSL_CERT_REQS,
-        help="Client certificates: 0 not asked for, 1 checked if sent, 2 required (Python's "
-        "ssl.CERT_NONE / CERT_OPTIONAL / CERT_REQUIRED).",
-    )
-    g.add_argument(
-        "--disable-frontend-multiprocessing",
-        action="store_true",
-        help="Accepted: the API server and the engine already run in one process.",
-    )
-    g.add_argument(
-        "--lora-modules",
-        nargs="+",
-        default=None,
-        help="Not supported (an error): LoRA adapters are not implemented.",
-    )
-    g.add_argument(
-        "--enable-auto-tool-choice",
-        action="store_true",
-        help="Not supported (an error): tool calling is not implemented.",
-    )
-    g.add_argument(
-        "--tool-call-parser",
-        default=None,
-        help="Not supported (an error): tool calling is not implemented.",
-    )
-    g.add_argument(
-        "--guided-decoding-backend",
-        default=None,
-        help="Accepted with a warning: structured output is not implemented; requests "
-        "asking for it get a 400.",
-    )
+
+
+def _add_media_and_logging_args(g: argparse._ArgumentGroup) -> None:
+    """The proxy root path, image sources, request logging, docs and metrics access."""
     g.add_argument(
         "--root-path", default=None, help="FastAPI root_path when behind a path-based proxy."
     )
@@ -187,10 +167,55 @@ def make_arg_parser(
         help="With --api-key, /metrics requires the key too (default: open for scrapers). "
         "/tokenize and /detokenize always require it.",
     )
-    add_server_limit_args(parser)
-    show_defaults(g)
-    EngineArgs.add_cli_args(parser, positional_model=positional_model)
-    return parser
+
+def _add_tls_args(g: argparse._ArgumentGroup) -> None:
+    """TLS, and client certificates checked against a CA (uvicorn's options)."""
+    g.add_argument("--ssl-keyfile", default=None, help="SSL key file.")
+    g.add_argument("--ssl-certfile", default=None, help="SSL certificate file.")
+    g.add_argument(
+        "--ssl-ca-certs", default=None, help="CA certificates file that client certificates "
+        "are checked against."
+    )
+    g.add_argument(
+        "--ssl-cert-reqs",
+        type=int,
+        default=int(ssl.CERT_NONE),
+        choices=SSL_CERT_REQS,
+        help="Client certificates: 0 not asked for, 1 checked if sent, 2 required (Python's "
+        "ssl.CERT_NONE / CERT_OPTIONAL / CERT_REQUIRED).",
+    )
+
+
+def _add_upstream_only_args(g: argparse._ArgumentGroup) -> None:
+    """Upstream server flags for what this server does not have or need (checked by
+    ``check_upstream_only_flags``)."""
+    g.add_argument(
+        "--disable-frontend-multiprocessing",
+        action="store_true",
+        help="Accepted: the API server and the engine already run in one process.",
+    )
+    g.add_argument(
+        "--lora-modules",
+        nargs="+",
+        default=None,
+        help="Not supported (an error): LoRA adapters are not implemented.",
+    )
+    g.add_argument(
+        "--enable-auto-tool-choice",
+        action="store_true",
+        help="Not supported (an error): tool calling is not implemented.",
+    )
+    g.add_argument(
+        "--tool-call-parser",
+        default=None,
+        help="Not supported (an error): tool calling is not implemented.",
+    )
+    g.add_argument(
+        "--guided-decoding-backend",
+        default=None,
+        help="Accepted with a warning: structured output is not implemented; requests "
+        "asking for it get a 400.",
+    )
 
 
 def show_defaults(group: argparse._ArgumentGroup) -> None:
