@@ -203,6 +203,10 @@ def test_download_from_a_loopback_hub(hub: FakeHub, tmp_path: Path) -> None:
     offline = _run({**env, "HF_HUB_OFFLINE": "1"}, {"main": calls["main"], "v2": calls["v2"]})
     assert offline["main"] == out["main"] and offline["v2"] == out["v2"]
     assert len(hub.requests) == served  # offline: not one request
+    (snapshots / main.sha / "model-00002-of-00002.safetensors").unlink()  # interrupted
+    broken = _run({**env, "HF_HUB_OFFLINE": "1"}, {"main": calls["main"]})
+    assert broken["main"]["error"] == "ModelNotFoundError"
+    assert "is incomplete" in broken["main"]["message"]
 
 
 def test_model_nowhere_is_one_line_error(tmp_path: Path) -> None:

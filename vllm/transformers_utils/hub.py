@@ -118,7 +118,7 @@ def download_snapshot(
 
 def _explain(error: Exception, where: str, cache: str) -> str:
     """One message for a failed ``snapshot_download``."""
-    from huggingface_hub import constants
+    from huggingface_hub import constants, errors
     from huggingface_hub.errors import (
         GatedRepoError,
         LocalEntryNotFoundError,
@@ -131,16 +131,25 @@ def _explain(error: Exception, where: str, cache: str) -> str:
     if isinstance(error, GatedRepoError):
         return (
             f"model {where}: the repository is gated; accept its license on the hub and set "
-            "HF_TOKEN to a token with access."
+            "HF_TOKEN (or --hf-token) to a token with access."
         )
     if isinstance(error, RepositoryNotFoundError):
         return (
             f"model {where}: no such folder, and the hub has no such model (or it is private: "
-            "set HF_TOKEN)."
+            "set HF_TOKEN or --hf-token)."
+        )
+    incomplete = getattr(errors, "IncompleteSnapshotError", ())  # huggingface_hub >= 2
+    offline = "hub access is off (HF_HUB_OFFLINE=1)"
+    if incomplete and isinstance(error, incomplete):
+        why = offline if constants.HF_HUB_OFFLINE else "the hub cannot be reached"
+        return (
+            f"model {where}: the snapshot in the hub cache {cache} is incomplete (an "
+            f"interrupted download?) and {why}. Run the same command where the hub is "
+            "reachable to complete it."
         )
     if isinstance(error, LocalEntryNotFoundError):
         why = (
-            "hub access is off (HF_HUB_OFFLINE=1)"
+            offline
             if constants.HF_HUB_OFFLINE
             else f"the hub cannot be reached ({_first_line(error)})"
         )
