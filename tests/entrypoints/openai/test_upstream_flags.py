@@ -263,3 +263,13 @@ def test_tool_calling_and_guided_decoding_flags(vllm_logs: list[str]) -> None:
     serve_args("--guided-decoding-backend", "xgrammar")
     assert any("Ignoring --guided-decoding-backend xgrammar" in m for m in vllm_logs)
     assert engine_args("--hf-token", "hf_abc").hf_token == "hf_abc"
+
+
+def test_start_up_log_states_dtype_and_memory(vllm_logs: list[str]) -> None:
+    engine_args("--dtype", "bfloat16", "--gpu-memory-utilization", "0.5").create_engine_config()
+    assert any(
+        "Model demo/mllama-tiny: bfloat16 weights and activations on cpu (--dtype bfloat16; "
+        "checkpoint float32)" in m
+        for m in vllm_logs
+    )
+    assert any("--gpu-memory-utilization (0.5) does not apply" in m for m in vllm_logs)
