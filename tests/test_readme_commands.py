@@ -9,6 +9,7 @@ import re
 import signal
 import socket
 import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -73,3 +74,21 @@ def test_readme_serve_command_serves_an_image_chat() -> None:
             proc.wait(timeout=30)
         except subprocess.TimeoutExpired:
             os.killpg(proc.pid, signal.SIGKILL)
+
+
+def test_readme_says_how_to_bind_loopback_and_where_the_demo_tokenizer_is() -> None:
+    """The README's loopback flag, and its command that prints the demo folder: the folder
+    it prints holds a tokenizer that transformers loads (what client tools are given)."""
+    from transformers import AutoTokenizer
+
+    text = (ROOT / "README.md").read_text()
+    assert "`--host 127.0.0.1` keeps it to this machine" in text
+    command = ".venv/bin/python -m vllm.transformers_utils.demo_checkpoints demo/mllama-tiny"
+    assert command in text
+    args = command.split()[1:]
+    out = subprocess.run([sys.executable, *args], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    folder = Path(out.stdout.strip())
+    assert folder.name == "mllama-tiny-v1" and (folder / "tokenizer.json").is_file()
+    tokenizer = AutoTokenizer.from_pretrained(str(folder))
+    assert tokenizer.convert_tokens_to_ids("<|image|>") == 512

@@ -7,7 +7,9 @@ components that discover them; they are not written back here.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from functools import cached_property
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -53,6 +55,20 @@ class ModelConfig:
     generation_config: str = "auto"  # "auto" (the checkpoint's), "vllm" (none) or a folder
     max_logprobs: int = 20
     quantization: str | None = None
+    revision: str | None = None  # of a hub model (None: the main branch, or not a hub ID)
+    tokenizer: str = ""  # as the user named it (the model's name when not given)
+    # Image-processor options (--mm-processor-kwargs), checked by EngineArgs.
+    mm_processor_kwargs: dict[str, Any] = field(default_factory=dict, compare=False)
+    # Sampling defaults over (or, with generation_config="vllm", instead of) the checkpoint's.
+    override_generation_config: dict[str, Any] = field(default_factory=dict, compare=False)
+
+    @cached_property
+    def hf_config(self) -> Any:
+        """The checkpoint's configuration as a ``transformers`` config object (after
+        ``hf_overrides``), for code written against upstream's ``model_config.hf_config``."""
+        from transformers import MllamaConfig
+
+        return MllamaConfig(**self.spec.raw)
 
     @property
     def max_encoder_seq_len(self) -> int:
@@ -114,6 +130,7 @@ class CompilationConfig:
 @dataclass(frozen=True)
 class ParallelConfig:
     tensor_parallel_size: int = 1
+    pipeline_parallel_size: int = 1
 
 
 @dataclass(frozen=True)

@@ -94,9 +94,10 @@ _VARIABLES: tuple[EnvVar, ...] = (
     EnvVar(
         "VLLM_ATTENTION_BACKEND",
         None,
-        _choice("TRITON", "TORCH"),
+        _choice("TRITON", "TORCH", "FLASH_ATTN", "XFORMERS", "FLASHINFER"),
         "Attention back-end on CUDA: TRITON (default) or TORCH (plain torch, for "
-        "debugging). The CPU always runs TORCH.",
+        "debugging). The CPU always runs TORCH. Upstream vLLM's FLASH_ATTN, XFORMERS and "
+        "FLASHINFER are accepted with a warning and run TRITON.",
     ),
     EnvVar(
         "VLLM_DEMO_DIR",

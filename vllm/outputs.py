@@ -26,13 +26,23 @@ class CompletionOutput:
 
 @dataclass
 class RequestMetrics:
-    """Timestamps (``time.time()`` seconds) of a request's life."""
+    """Timestamps (``time.time()`` seconds) of a request's life, under vLLM's names.
+
+    ``time_in_queue`` is ``first_scheduled_time - arrival_time``. The per-request step times
+    upstream fills only when it collects detailed traces (``scheduler_time``,
+    ``model_forward_time``, ``model_execute_time``) are ``None`` here: steps are batched and
+    launched asynchronously, so no request has a time of its own.
+    """
 
     arrival_time: float
     first_scheduled_time: float | None = None
     first_token_time: float | None = None
     last_token_time: float | None = None
     finished_time: float | None = None
+    time_in_queue: float | None = None
+    scheduler_time: float | None = None
+    model_forward_time: float | None = None
+    model_execute_time: float | None = None
     num_preemptions: int = 0
 
 

@@ -20,7 +20,8 @@ from vllm.model_executor.models.mllama_weights import (
     to_param_name,
 )
 from vllm.transformers_utils.config import load_mllama_config
-from vllm.transformers_utils.demo_checkpoints import build_demo_config, resolve_model
+from vllm.transformers_utils.demo_checkpoints import build_demo_config
+from vllm.transformers_utils.hub import resolve_model
 
 
 def _load(path: Path, fmt: str = "auto") -> MllamaForConditionalGeneration:

@@ -253,7 +253,7 @@ def test_full_size_parameter_counts() -> None:
 def test_full_size_configs_need_no_llama_models(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None)
     assert dc.build_demo_config("demo/mllama-90b")["text_config"]["hidden_size"] == 8192
-    with pytest.raises(RuntimeError, match="pip install llama-models"):
+    with pytest.raises(dtok.DemoCheckpointError, match="pip install llama-models"):
         dtok.llama3_ranks_path()
 
 
@@ -291,7 +291,7 @@ def test_get_demo_checkpoint_caches_under_env_dir(
     assert first == second == tmp_path / f"mllama-tiny-v{dc.GENERATOR_VERSION}"
     marker = first / dc.MARKER_FILE
     stamp = marker.stat().st_mtime_ns
-    assert dc.resolve_model(TINY) == first and marker.stat().st_mtime_ns == stamp
+    assert dc.get_demo_checkpoint(TINY) == first and marker.stat().st_mtime_ns == stamp
     assert sorted(p.name for p in tmp_path.iterdir() if p.is_dir()) == [first.name]
     assert load_mllama_config(first).text.vocab_size == 512
 
@@ -299,15 +299,6 @@ def test_get_demo_checkpoint_caches_under_env_dir(
 def test_demo_cache_dir_default(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv("VLLM_DEMO_DIR", raising=False)
     assert dc.demo_cache_dir() == Path.home() / ".cache" / "vllm-mllama" / "demo"
-
-
-def test_resolve_model(tmp_path: Path) -> None:
-    assert dc.resolve_model(str(tmp_path)) == tmp_path
-    assert dc.is_demo_model(TINY) and not dc.is_demo_model("demo/nope")
-    for bad in ("meta-llama/Llama-3.2-11B-Vision-Instruct", "demo/nope", str(tmp_path / "x")):
-        with pytest.raises(FileNotFoundError, match="no model hub access") as err:
-            dc.resolve_model(bad)
-        assert all(name in str(err.value) for name in dc.DEMO_MODELS)
 
 
 def test_cli_builds_into_out_dir(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

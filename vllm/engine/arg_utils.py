@@ -9,6 +9,7 @@ from typing import Any
 
 import torch
 
+from vllm import envs
 from vllm.config import (
     CacheConfig,
     CompilationConfig,
@@ -22,12 +23,26 @@ from vllm.config import (
 from vllm.engine.cli_args import add_engine_cli_args, parse_limit_mm_per_prompt
 from vllm.logger import init_logger
 from vllm.transformers_utils.config import load_mllama_config
-from vllm.transformers_utils.demo_checkpoints import resolve_model
+from vllm.transformers_utils.hub import resolve_model
 
 logger = init_logger(__name__)
 
 CPU_DEFAULT_MAX_MODEL_LEN = 8192
 SUPPORTED_QUANTIZATION: tuple[str, ...] = ()
+# Options upstream vLLM has that change nothing here: a value other than the default is
+# accepted with a warning that says why.
+IGNORED_OPTIONS: dict[str, str] = {
+    "swap_space": "there is no CPU swap space here; preempted requests are recomputed",
+    "max_seq_len_to_capture": "every decode step runs from a CUDA graph, whatever the length "
+    "of its vision tokens",
+    "tokenizer_mode": "the checkpoint's fast tokenizer (tokenizer.json) is always used",
+}
+# Image-processor options a user may set (--mm-processor-kwargs); the tile size, resizing and
+# padding are the checkpoint's, since the vision tower is built for them.
+MM_PROCESSOR_OPTIONS = ("max_image_tiles", "resample", "do_convert_rgb", "do_rescale",
+                        "rescale_factor", "do_normalize", "image_mean", "image_std")
+# VLLM_ATTENTION_BACKEND values of upstream vLLM, accepted with a warning.
+UPSTREAM_ATTENTION_BACKENDS = ("FLASH_ATTN", "XFORMERS", "FLASHINFER")
 
 
 @dataclass
@@ -36,6 +51,12 @@ class EngineArgs:
 
     model: str = "demo/mllama-tiny"
     tokenizer: str | None = None
+    # Hub IDs (``transformers_utils/hub.py``): the revision of the model (and of its tokenizer
+    # when --tokenizer is not given), of a separate --tokenizer, and the cache folder.
+    revision: str | None = None
+    tokenizer_revision: str | None = None
+    download_dir: str | None = None
+    hf_token: str | None = None
     served_model_name: str | list[str] | None = None
     dtype: str = "auto"
     seed: int | None = 0
@@ -52,6 +73,9 @@ class EngineArgs:
     enforce_eager: bool = False
     cuda_graph_sizes: list[int] | None = None
     limit_mm_per_prompt: dict[str, int] | str | None = None
+    mm_processor_kwargs: dict[str, Any] | None = None
+    hf_overrides: dict[str, Any] | None = None
+    override_generation_config: dict[str, Any] | None = None
     load_format: str = "auto"
     block_size: int = 16
     num_gpu_blocks_override: int | None = None
@@ -59,6 +83,10 @@ class EngineArgs:
     trust_remote_code: bool = False
     quantization: str | None = None
     tensor_parallel_size: int = 1
+    pipeline_parallel_size: int = 1
+    # Upstream features this engine does not have: refused with a message, not ignored.
+    enable_lora: bool = False
+    speculative_config: dict[str, Any] | None = None
     device: str = "auto"
     max_logprobs: int = 20
     kv_cache_dtype: str = "auto"
@@ -70,8 +98,6 @@ class EngineArgs:
     enable_prefix_caching: bool | None = None
     enable_chunked_prefill: bool | None = None
     tokenizer_mode: str = "auto"
-    revision: str | None = None
-    download_dir: str | None = None
 
     @classmethod
     def add_cli_args(cls, parser: argparse.ArgumentParser,
@@ -98,6 +124,18 @@ class EngineArgs:
                              "engine serves bf16/fp16/fp32 weights")
         if self.tensor_parallel_size != 1:
             raise ValueError("tensor_parallel_size > 1 is not supported yet (one GPU per model)")
+        if self.pipeline_parallel_size != 1:
+            raise ValueError("pipeline_parallel_size > 1 is not supported (one GPU per model)")
+        if self.enable_lora:
+            raise ValueError("LoRA adapters (enable_lora) are not supported by this engine")
+        if self.speculative_config:
+            raise ValueError("speculative decoding (speculative_config) is not supported by "
+                             "this engine")
+        for name in ("mm_processor_kwargs", "hf_overrides", "override_generation_config"):
+            value = getattr(self, name)
+            if value is not None and not isinstance(value, dict):
+                raise ValueError(f"{name} must be a dict (JSON object), got "
+                                 f"{type(value).__name__}")
         if self.kv_cache_dtype != "auto":
             raise ValueError(f"kv_cache_dtype={self.kv_cache_dtype!r} is not supported yet")
         if self.enable_prefix_caching:
@@ -110,29 +148,85 @@ class EngineArgs:
                              f"{self.gpu_memory_utilization}")
         if self.block_size not in (8, 16, 32, 64, 128):
             raise ValueError(f"block_size must be one of 8, 16, 32, 64, 128; got {self.block_size}")
+        self._warn_ignored()
+
+    def _warn_ignored(self) -> None:
+        """Nothing a user sets is dropped silently: options that change nothing here say so."""
+        defaults = {f.name: f.default for f in dataclasses.fields(self)}
+        for name, why in IGNORED_OPTIONS.items():
+            value = getattr(self, name)
+            if value != defaults[name]:
+                logger.warning("Ignoring %s=%r: %s.", name, value, why)
+        backend = envs.VLLM_ATTENTION_BACKEND
+        if backend in UPSTREAM_ATTENTION_BACKENDS:
+            logger.warning(
+                "VLLM_ATTENTION_BACKEND=%s names an upstream vLLM back-end; this engine runs "
+                "its own attention instead: Triton kernels on CUDA (torch SDPA for prefill), "
+                "torch SDPA on CPU.", backend)
+
+    def _mm_processor_kwargs(self, max_tiles: int) -> dict[str, Any]:
+        """The image-processor options, checked (raises ValueError naming the option)."""
+        kwargs = dict(self.mm_processor_kwargs or {})
+        unknown = sorted(set(kwargs) - set(MM_PROCESSOR_OPTIONS))
+        if unknown:
+            raise ValueError(f"mm_processor_kwargs: unsupported option(s) {unknown}; this "
+                             f"model's image processor takes {', '.join(MM_PROCESSOR_OPTIONS)}")
+        tiles = kwargs.get("max_image_tiles", max_tiles)
+        if isinstance(tiles, bool) or not isinstance(tiles, int) or not 1 <= tiles <= max_tiles:
+            raise ValueError(f"mm_processor_kwargs: max_image_tiles must be an integer in "
+                             f"1..{max_tiles} (the model's max_num_tiles), got {tiles!r}")
+        return kwargs
 
     def create_engine_config(self) -> VllmConfig:
+        """Validates the arguments and builds the frozen configuration (raises ValueError or
+        OSError with a message for the user)."""
         self._check_unsupported()
         device = self._device()
-        path = resolve_model(self.model)
-        tok_path = resolve_model(self.tokenizer) if self.tokenizer else path
-        spec = load_mllama_config(path)
-        dtype = resolve_dtype(self.dtype, spec.torch_dtype, device)
+        model_config = self._model_config(device)
+        sched = self._scheduler_config(model_config.max_model_len,
+                                       model_config.limit_images_per_prompt,
+                                       model_config.spec.vision.max_num_tiles)
+        self._log_device(model_config, device)
+        return VllmConfig(
+            model_config=model_config,
+            cache_config=CacheConfig(block_size=self.block_size,
+                                     gpu_memory_utilization=self.gpu_memory_utilization,
+                                     num_gpu_blocks_override=self.num_gpu_blocks_override),
+            scheduler_config=sched,
+            compilation_config=CompilationConfig(cuda_graph_sizes=self._graph_sizes(sched)),
+            parallel_config=ParallelConfig(self.tensor_parallel_size,
+                                           self.pipeline_parallel_size),
+            device_config=DeviceConfig(device),
+        )
+
+    def _model_config(self, device: torch.device) -> ModelConfig:
+        """The checkpoint (resolved to a folder, downloaded if need be) and how to run it."""
+        path = resolve_model(self.model, revision=self.revision, download_dir=self.download_dir,
+                             weights=self.load_format != "dummy", token=self.hf_token)
+        tok_path = path
+        if self.tokenizer and self.tokenizer != self.model:
+            tok_path = resolve_model(self.tokenizer, revision=self.tokenizer_revision,
+                                     download_dir=self.download_dir, weights=False,
+                                     token=self.hf_token)
+        spec = load_mllama_config(path, self.hf_overrides)
         limits = parse_limit_mm_per_prompt(self.limit_mm_per_prompt)
-        limit_images = limits.get("image", 1)
-        max_model_len = self._max_model_len(spec.text.max_position_embeddings, device)
-        sched = self._scheduler_config(max_model_len, limit_images,
-                                       spec.vision.max_num_tiles)
         served = self.served_model_name
         if isinstance(served, list):
             served = served[0] if served else None
-        model_config = ModelConfig(
-            model=self.model, model_path=path, tokenizer_path=tok_path, spec=spec, dtype=dtype,
-            max_model_len=max_model_len, served_model_name=served or self.model,
+        return ModelConfig(
+            model=self.model, model_path=path, tokenizer_path=tok_path, spec=spec,
+            dtype=resolve_dtype(self.dtype, spec.torch_dtype, device),
+            max_model_len=self._max_model_len(spec.text.max_position_embeddings, device),
+            served_model_name=served or self.model,
             load_format=self.load_format, seed=self.seed if self.seed is not None else 0,
-            enforce_eager=self.enforce_eager, limit_images_per_prompt=limit_images,
+            enforce_eager=self.enforce_eager, limit_images_per_prompt=limits.get("image", 1),
             generation_config=self.generation_config, max_logprobs=self.max_logprobs,
-            quantization=self.quantization)
+            quantization=self.quantization, revision=self.revision,
+            tokenizer=self.tokenizer or self.model,
+            mm_processor_kwargs=self._mm_processor_kwargs(spec.vision.max_num_tiles),
+            override_generation_config=dict(self.override_generation_config or {}))
+
+    def _graph_sizes(self, sched: SchedulerConfig) -> tuple[int, ...]:
         sizes = tuple(sorted(set(self.cuda_graph_sizes or ())))
         if any(s < 1 for s in sizes):
             raise ValueError(f"cuda_graph_sizes must be positive, got {list(sizes)}")
@@ -140,17 +234,17 @@ class EngineArgs:
             logger.info("Adding decode graph size %d to cover max_num_seqs",
                         sched.max_num_seqs)
             sizes = (*sizes, sched.max_num_seqs)
-        return VllmConfig(
-            model_config=model_config,
-            cache_config=CacheConfig(block_size=self.block_size,
-                                     gpu_memory_utilization=self.gpu_memory_utilization,
-                                     num_gpu_blocks_override=self.num_gpu_blocks_override),
-            scheduler_config=sched,
-            compilation_config=CompilationConfig(
-                cuda_graph_sizes=sizes or CompilationConfig.default_sizes(sched.max_num_seqs)),
-            parallel_config=ParallelConfig(self.tensor_parallel_size),
-            device_config=DeviceConfig(device),
-        )
+        return sizes or CompilationConfig.default_sizes(sched.max_num_seqs)
+
+    def _log_device(self, mc: ModelConfig, device: torch.device) -> None:
+        """The start-up log says what runs where, and which memory setting applies."""
+        dtype = str(mc.dtype).removeprefix("torch.")
+        logger.info("Model %s: %s weights and activations on %s (--dtype %s; checkpoint %s)",
+                    mc.model, dtype, device.type, self.dtype, mc.spec.torch_dtype)
+        if device.type == "cpu":
+            logger.info("CPU: --gpu-memory-utilization (%g) does not apply; the KV cache holds "
+                        "what the scheduler can use, at most %d GiB", self.gpu_memory_utilization,
+                        CacheConfig.cpu_kv_cache_space_bytes >> 30)
 
     def _max_model_len(self, config_max: int, device: torch.device) -> int:
         if self.max_model_len is not None:
@@ -197,3 +291,9 @@ class EngineArgs:
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
+
+
+@dataclass
+class AsyncEngineArgs(EngineArgs):
+    """vLLM's name for the arguments of :class:`~vllm.engine.async_llm_engine.AsyncLLMEngine`;
+    the same fields here (the server's request-logging flags are server flags)."""

@@ -155,6 +155,21 @@ class AsyncLLMEngine:
     def config(self) -> Any:
         return self.engine.config
 
+    @property
+    def vllm_config(self) -> Any:
+        return self.engine.config
+
+    @property
+    def model_config(self) -> Any:
+        return self.engine.config.model_config
+
+    async def get_model_config(self) -> Any:
+        """Upstream's coroutine for ``model_config`` (what OpenAI front-ends await)."""
+        return self.engine.config.model_config
+
+    async def get_vllm_config(self) -> Any:
+        return self.engine.config
+
     def reserve(self, images: int = 0, max_requests: int | None = None,
                 max_images: int | None = None) -> QueueTicket:
         """A place in the waiting queue for one request holding ``images`` images, or

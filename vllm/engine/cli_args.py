@@ -1,9 +1,11 @@
 """Command-line flags for every :class:`~vllm.engine.arg_utils.EngineArgs` field.
 
-Flags use vLLM's names (``--max-model-len``); :class:`FlexibleArgumentParser` also accepts the
-underscore spelling (``--max_model_len``) that real launch scripts use. Each EngineArgs field
-becomes a flag: the ones in ``_FLAG_SPECS`` get vLLM's help text, choices and parsing, and any
-field added later gets a flag derived from its default value, so the CLI never falls behind.
+Flags use vLLM's names (``--max-model-len``); :class:`FlexibleArgumentParser` (``arg_parsing``)
+also accepts the spellings and forms real launch scripts use (``--max_model_len``, dotted
+dictionary keys, ``--config FILE.yaml``, ``32k``). Each EngineArgs field becomes a flag: the ones
+in ``_FLAG_SPECS`` get vLLM's help text, choices and parsing, and any field added later gets a
+flag derived from its default value, so the CLI never falls behind. Help shows each flag's
+effective default (``default_text`` where the field's ``None`` is resolved later).
 """
 
 from __future__ import annotations
@@ -11,9 +13,18 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import sys
 from collections.abc import Sequence
 from typing import Any
+
+from vllm.engine.arg_parsing import (
+    FlexibleArgumentParser,
+    MergeDictAction,
+    human_readable_int,
+    json_dict_type,
+    normalize_flag_spelling,
+)
+
+__all__ = ["FlexibleArgumentParser", "normalize_flag_spelling", "add_engine_cli_args"]
 
 DTYPE_CHOICES = ("auto", "half", "float16", "bfloat16", "float", "float32")
 LOAD_FORMAT_CHOICES = ("auto", "safetensors", "dummy")
@@ -21,30 +32,9 @@ KV_CACHE_DTYPE_CHOICES = ("auto", "fp8", "fp8_e5m2", "fp8_e4m3")
 BLOCK_SIZE_CHOICES = (8, 16, 32, 64, 128)
 
 
-class FlexibleArgumentParser(argparse.ArgumentParser):
-    """An ``ArgumentParser`` that accepts ``--flag_name`` for ``--flag-name``."""
-
-    def parse_known_args(  # type: ignore[override]
-        self, args: Sequence[str] | None = None, namespace: argparse.Namespace | None = None
-    ) -> tuple[argparse.Namespace, list[str]]:
-        if args is None:
-            args = sys.argv[1:]
-        return super().parse_known_args(normalize_flag_spelling(args), namespace)
-
-
-def normalize_flag_spelling(args: Sequence[str]) -> list[str]:
-    """``--max_model_len=8`` -> ``--max-model-len=8``; values are left untouched."""
-    out = []
-    for arg in args:
-        if arg.startswith("--") and len(arg) > 2:
-            name, sep, value = arg.partition("=")
-            arg = name.replace("_", "-") + sep + value
-        out.append(arg)
-    return out
-
-
 def parse_limit_mm_per_prompt(value: str | dict[str, int] | None) -> dict[str, int]:
-    """Accepts ``{"image": 2}`` (dict or JSON) and the older ``image=2`` form."""
+    """Accepts ``{"image": 2}`` (dict or JSON) and the older ``image=2`` form; other modalities
+    (``video``, ``audio``) may be given as 0, as upstream launch scripts for several models do."""
     if value is None or value == "":
         return {}
     if isinstance(value, dict):
@@ -64,14 +54,17 @@ def parse_limit_mm_per_prompt(value: str | dict[str, int] | None) -> dict[str, i
         raise ValueError(f"--limit-mm-per-prompt must be a JSON object, got {value!r}")
     out = {}
     for key, num in limits.items():
-        if key != "image":
-            raise ValueError(f"--limit-mm-per-prompt: unsupported modality {key!r} (only image)")
         try:
             out[key] = int(num)
         except (TypeError, ValueError):
             raise ValueError(f"--limit-mm-per-prompt: {key} must be an integer") from None
         if out[key] < 0:
             raise ValueError("--limit-mm-per-prompt: limits must be non-negative")
+        if key != "image" and out[key] != 0:
+            raise ValueError(
+                f"--limit-mm-per-prompt: this model takes images only, so {key} must be 0 "
+                f"(got {out[key]})"
+            )
     return out
 
 
@@ -109,15 +102,36 @@ class _FlattenIntLists(argparse.Action):
 # Help, type and choices for each field; flags use vLLM's names (the field name, dashed).
 _FLAG_SPECS: dict[str, dict[str, Any]] = {
     "model": {
-        "help": "Name or path of the Hugging Face checkpoint folder (or a built-in demo "
-        "name such as demo/mllama-tiny)."
+        "help": "A Hugging Face hub model ID (meta-llama/Llama-3.2-11B-Vision-Instruct: "
+        "downloaded, or read from the hub cache when offline), a local checkpoint folder, or "
+        "a built-in demo name such as demo/mllama-tiny."
     },
-    "tokenizer": {"help": "Tokenizer folder; defaults to the model's."},
+    "tokenizer": {
+        "help": "Tokenizer folder or hub ID.",
+        "default_text": "the model's, at its --revision",
+    },
+    "revision": {
+        "help": "Hub branch, tag or commit of the model (a hub ID only; local folders and demo "
+        "names have none).",
+        "default_text": "the repository's main branch",
+    },
+    "tokenizer_revision": {
+        "help": "Hub branch, tag or commit of a separate --tokenizer.",
+        "default_text": "its main branch",
+    },
+    "hf_token": {
+        "help": "Hub token for gated or private models.",
+        "default_text": "huggingface_hub's: HF_TOKEN, else a saved login",
+    },
+    "download_dir": {
+        "help": "Folder of the hub cache that models are downloaded into and read from.",
+        "default_text": "huggingface_hub's: HF_HUB_CACHE, else $HF_HOME/hub",
+    },
     "served_model_name": {
         "nargs": "+",
         "help": "Model name(s) used in the API. The first "
-        "name is used in responses and in the metrics' model_name label; "
-        "defaults to --model.",
+        "name is used in responses and in the metrics' model_name label.",
+        "default_text": "the --model name (a hub ID, folder or demo name)",
     },
     "dtype": {
         "choices": DTYPE_CHOICES,
@@ -126,38 +140,51 @@ _FLAG_SPECS: dict[str, dict[str, Any]] = {
     },
     "seed": {"type": int, "help": "Random seed."},
     "max_model_len": {
-        "type": int,
-        "help": "Model context length (prompt plus output); defaults to the model's (8192 on CPU).",
+        "type": human_readable_int,
+        "help": "Model context length (prompt plus output), e.g. 4096, 32k (32000) or 32K "
+        "(32768).",
+        "default_text": "the model's max_position_embeddings; 8192 on CPU",
     },
-    "max_num_seqs": {"type": int, "help": "Maximum number of sequences per iteration."},
-    "max_num_batched_tokens": {"type": int, "help": "Maximum number of tokens per iteration."},
+    "max_num_seqs": {
+        "type": int,
+        "help": "Maximum number of sequences per iteration.",
+        "default_text": "256",
+    },
+    "max_num_batched_tokens": {
+        "type": int,
+        "help": "Maximum number of tokens per iteration; at least --max-model-len (prompts are "
+        "prefilled whole).",
+        "default_text": "max(--max-model-len, 8192)",
+    },
     "max_num_encoder_tiles": {
         "type": int,
         "help": "Maximum number of image tiles encoded per iteration.",
+        "default_text": "max tiles per image x max(images per prompt, 4)",
     },
     "decode_interleave_tokens": {
         "type": int,
         "help": "While sequences decode, a prefill step carries at most this many prompt "
         "tokens (at least one request) and a decode step follows it, bounding the gap between "
-        "two tokens of a running request. 0: prefill first, whole batches. Default 256 "
-        "(the offline LLM class: 0).",
+        "two tokens of a running request. 0: prefill first, whole batches.",
+        "default_text": "256; the offline LLM class: 0",
     },
     "encoder_layers_per_step": {
         "type": int,
         "help": "While sequences decode, images of waiting requests are encoded this many "
-        "image-layers per decode step, ahead of their prefill. 0: encode inside the prefill. "
-        "Default 4 (the offline LLM class: 0).",
+        "image-layers per decode step, ahead of their prefill. 0: encode inside the prefill.",
+        "default_text": "4; the offline LLM class: 0",
     },
     "prefill_layers_per_step": {
         "type": int,
         "help": "While sequences decode (interleaved prefill), run an admitted prefill this "
         "many text layers per decode step instead of in one step, so its eager launch is "
-        "spread out (a decode step runs next to each slice). 0: one step. Default 5 "
-        "(the offline LLM class: 0).",
+        "spread out (a decode step runs next to each slice). 0: one step.",
+        "default_text": "5; the offline LLM class: 0",
     },
     "gpu_memory_utilization": {
         "type": float,
-        "help": "Fraction of GPU memory for the model and its KV cache (0-1].",
+        "help": "Fraction of GPU memory for the model and its KV cache (0-1]. Does not apply "
+        "on CPU, where the KV cache holds what the scheduler can use.",
     },
     "enforce_eager": {
         "action": "store_true",
@@ -168,12 +195,32 @@ _FLAG_SPECS: dict[str, dict[str, Any]] = {
         "nargs": "+",
         "action": _FlattenIntLists,
         "help": "Decode batch sizes to capture as CUDA graphs, e.g. '1 2 4 8' or '1,2,4,8'.",
+        "default_text": "1, 2, 4, then multiples of 8 up to --max-num-seqs",
     },
     "limit_mm_per_prompt": {
         "type": limit_mm_type,
-        "help": "Items per prompt for each "
-        "modality, as JSON ('{\"image\": 2}') or 'image=2'. Defaults to "
-        "one image.",
+        "action": MergeDictAction,
+        "help": "Items per prompt for each modality, as JSON ('{\"image\": 2}'), 'image=2' or "
+        "dotted (--limit-mm-per-prompt.image 2). Other modalities may be given as 0.",
+        "default_text": "one image",
+    },
+    "mm_processor_kwargs": {
+        "type": json_dict_type,
+        "action": MergeDictAction,
+        "help": "Options of the checkpoint's image processor, as JSON or dotted, e.g. "
+        "'{\"max_image_tiles\": 2}' (at most the model's max_num_tiles).",
+    },
+    "hf_overrides": {
+        "type": json_dict_type,
+        "action": MergeDictAction,
+        "help": "Values that replace the checkpoint's config.json ones, as JSON or dotted "
+        "(nested objects such as text_config merge key by key).",
+    },
+    "override_generation_config": {
+        "type": json_dict_type,
+        "action": MergeDictAction,
+        "help": "Sampling defaults that replace the generation config's, as JSON or dotted, "
+        "e.g. '{\"temperature\": 0.5}' (with --generation-config vllm, the only defaults).",
     },
     "load_format": {
         "choices": LOAD_FORMAT_CHOICES,
@@ -190,13 +237,25 @@ _FLAG_SPECS: dict[str, dict[str, Any]] = {
         "sampling defaults, 'vllm' ignores it, or a folder holding one."
     },
     "trust_remote_code": {
-        "action": "store_true",
-        "help": "Accepted for compatibility (Llama 3.2 Vision needs no remote code).",
+        "action": argparse.BooleanOptionalAction,
+        "help": "Accepted either way: Llama 3.2 Vision needs no remote code, and none is run.",
     },
     "quantization": {"help": "Quantization method of the weights (none is supported yet)."},
     "tensor_parallel_size": {
         "type": int,
         "help": "Number of tensor-parallel GPUs (1 is supported).",
+    },
+    "pipeline_parallel_size": {
+        "type": int,
+        "help": "Number of pipeline stages (1 is supported).",
+    },
+    "enable_lora": {
+        "action": "store_true",
+        "help": "Not supported (an error): LoRA adapters are not implemented.",
+    },
+    "speculative_config": {
+        "type": json_dict_type,
+        "help": "Not supported (an error): speculative decoding is not implemented.",
     },
     "device": {"choices": ("auto", "cuda", "cpu"), "help": "Device to run on."},
     "max_logprobs": {"type": int, "help": "Maximum logprobs / top_logprobs a request may ask for."},
@@ -205,8 +264,16 @@ _FLAG_SPECS: dict[str, dict[str, Any]] = {
         "help": "KV cache dtype (auto is supported).",
     },
     "disable_log_stats": {"action": "store_true", "help": "Disable the periodic stats log."},
-    "swap_space": {"type": float, "help": "CPU swap space per GPU in GiB (accepted, unused)."},
-    "max_seq_len_to_capture": {"type": int, "help": "Accepted for compatibility."},
+    "swap_space": {
+        "type": float,
+        "help": "Accepted for compatibility, with a warning: there is no CPU swap space "
+        "(preempted requests are recomputed).",
+    },
+    "max_seq_len_to_capture": {
+        "type": int,
+        "help": "Accepted for compatibility, with a warning: every decode step runs from a "
+        "CUDA graph, whatever its vision length.",
+    },
     "enable_prefix_caching": {
         "action": argparse.BooleanOptionalAction,
         "help": "Accepted; prefix caching is off for this model.",
@@ -215,11 +282,17 @@ _FLAG_SPECS: dict[str, dict[str, Any]] = {
         "action": argparse.BooleanOptionalAction,
         "help": "Accepted; prompts are prefilled whole.",
     },
-    "tokenizer_mode": {"help": "Accepted for compatibility (the fast tokenizer is used)."},
-    "revision": {"help": "Accepted for compatibility (local folders only)."},
-    "download_dir": {"help": "Accepted for compatibility (local folders only)."},
+    "tokenizer_mode": {
+        "choices": ("auto", "slow", "mistral", "custom"),
+        "help": "Accepted for compatibility, with a warning unless auto: the checkpoint's "
+        "fast tokenizer (tokenizer.json) is always used.",
+    },
 }
-_SHORT_FLAGS = {"quantization": "-q", "tensor_parallel_size": "-tp"}
+_SHORT_FLAGS = {
+    "quantization": "-q",
+    "tensor_parallel_size": "-tp",
+    "pipeline_parallel_size": "-pp",
+}
 
 
 def _derived_spec(default: Any) -> dict[str, Any]:
@@ -245,6 +318,7 @@ def add_engine_cli_args(parser: argparse.ArgumentParser,
     for f in fields:
         spec = dict(_FLAG_SPECS.get(f.name) or _derived_spec(f.default))
         default_text = f.default if f.default is not dataclasses.MISSING else None
+        default_text = spec.pop("default_text", default_text)
         spec["help"] = f"{spec.get('help', f.name)} (default: {default_text})"
         if spec.get("action") == "store_true":
             spec["default"] = None

@@ -34,17 +34,19 @@ logger = init_logger(__name__)
 
 
 def load_generation_config(config: VllmConfig) -> dict[str, Any]:
-    """The checkpoint's generation_config.json (``auto``), none (``vllm``) or a folder's."""
+    """The checkpoint's generation_config.json (``auto``), none (``vllm``) or a folder's, with
+    ``override_generation_config`` over it."""
     choice = config.model_config.generation_config
+    overrides = config.model_config.override_generation_config
     if choice == "vllm":
-        return {}
+        return dict(overrides)
     folder = config.model_config.model_path if choice == "auto" else Path(choice)
     path = folder / "generation_config.json"
     if not path.is_file():
         if choice != "auto":
             raise FileNotFoundError(f"{path}: generation config not found")
-        return {}
-    return json.loads(path.read_text())
+        return dict(overrides)
+    return {**json.loads(path.read_text()), **overrides}
 
 
 class LLMEngine:
@@ -66,7 +68,8 @@ class LLMEngine:
         self.input_processor = MllamaInputProcessor(
             mc.spec, self.tokenizer, get_image_processor(mc.model_path),
             mc.limit_images_per_prompt, config.model_config.max_model_len,
-            pixel_dtype=mc.dtype, pin_memory=self.runner.device.type == "cuda")
+            pixel_dtype=mc.dtype, pin_memory=self.runner.device.type == "cuda",
+            processor_kwargs=mc.mm_processor_kwargs)
         lo = self.runner.layout
         self.block_manager = BlockManager(num_pages, lo.block_size, lo.cross_block_size)
         self.scheduler = Scheduler(config.scheduler_config, self.block_manager,
@@ -99,6 +102,22 @@ class LLMEngine:
     def from_engine_args(cls, args: EngineArgs) -> LLMEngine:
         return cls(args.create_engine_config(), log_stats=not args.disable_log_stats,
                    async_scheduling=args.async_scheduling)
+
+    @property
+    def vllm_config(self) -> VllmConfig:
+        """The engine's configuration (upstream's name for it; also ``self.config``)."""
+        return self.config
+
+    @property
+    def model_config(self) -> Any:
+        """``vllm_config.model_config``: the model, its dtype, ``max_model_len``, ..."""
+        return self.config.model_config
+
+    def get_model_config(self) -> Any:
+        return self.config.model_config
+
+    def get_vllm_config(self) -> VllmConfig:
+        return self.config
 
     # ------------------------------------------------------------------ requests
     def default_sampling_params(self) -> SamplingParams:

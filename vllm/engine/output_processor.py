@@ -167,15 +167,19 @@ class OutputProcessor:
             prompt_logprobs=req.prompt_logprobs,
             outputs=[self._completion(s, kind == RequestOutputKind.DELTA) for s in seqs],
             finished=finished, metrics=self._metrics(req), num_images=req.inputs.num_images,
-            encoder_prompt_token_ids=None, error=req.error)
+            encoder_prompt=req.inputs.encoder_prompt,
+            encoder_prompt_token_ids=req.inputs.encoder_prompt_token_ids, error=req.error)
         if finished:
             self.forget(req)
         return out
 
     @staticmethod
     def _metrics(req: Request) -> RequestMetrics:
+        arrival = req.arrival_time + _MONO_TO_WALL
+        scheduled = req.first_scheduled_time
         return RequestMetrics(
-            arrival_time=req.arrival_time + _MONO_TO_WALL,
-            first_scheduled_time=req.first_scheduled_time, first_token_time=req.first_token_time,
+            arrival_time=arrival,
+            first_scheduled_time=scheduled, first_token_time=req.first_token_time,
             last_token_time=req.last_token_time, finished_time=req.finished_time,
+            time_in_queue=None if scheduled is None else max(0.0, scheduled - arrival),
             num_preemptions=req.num_preemptions)

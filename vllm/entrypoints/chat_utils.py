@@ -34,6 +34,11 @@ _RESERVED_TEMPLATE_KWARGS = frozenset(
     }
 )
 _PASSTHROUGH_KEYS = ("name", "tool_calls", "tool_call_id")
+# ``chat_template_content_format``: how list content reaches the template. "openai" keeps the
+# parts (what this model's template reads; "auto" picks it); "string" joins them into one
+# string, an image placeholder per image part ahead of the text, as vLLM does.
+CONTENT_FORMATS = ("auto", "string", "openai")
+IMAGE_PLACEHOLDER = "<|image|>"
 
 
 @dataclass
@@ -88,8 +93,14 @@ def _parse_part(part: Any, where: str, images: list[Any]) -> dict[str, Any]:
     )
 
 
-def parse_conversation(messages: Any) -> ParsedConversation:
-    """Validates OpenAI messages and converts image parts (raises ValueError)."""
+def parse_conversation(messages: Any, content_format: str = "auto") -> ParsedConversation:
+    """Validates OpenAI messages and converts image parts (raises ValueError); with
+    ``content_format="string"`` list content becomes one string (see ``CONTENT_FORMATS``)."""
+    if content_format not in CONTENT_FORMATS:
+        raise ValueError(
+            f"chat_template_content_format must be one of {', '.join(CONTENT_FORMATS)}, "
+            f"got {content_format!r}."
+        )
     if not isinstance(messages, list) or not messages:
         raise ValueError("messages must be a non-empty list.")
     out: list[dict[str, Any]] = []
@@ -102,6 +113,8 @@ def parse_conversation(messages: Any) -> ParsedConversation:
             content = [
                 _parse_part(p, f"messages[{i}].content[{j}]", images) for j, p in enumerate(content)
             ]
+            if content_format == "string":
+                content = _as_string(content)
         elif content is None:
             content = ""
         elif not isinstance(content, str):
@@ -110,6 +123,13 @@ def parse_conversation(messages: Any) -> ParsedConversation:
         converted.update({k: msg[k] for k in _PASSTHROUGH_KEYS if k in msg})
         out.append(converted)
     return ParsedConversation(out, images)
+
+
+def _as_string(parts: list[dict[str, Any]]) -> str:
+    """Parts as one string: the image placeholders the text lacks first, then the texts."""
+    text = "\n".join(p["text"] for p in parts if p["type"] == "text")
+    missing = sum(p["type"] == "image" for p in parts) - text.count(IMAGE_PLACEHOLDER)
+    return "\n".join([IMAGE_PLACEHOLDER] * max(0, missing) + [text])
 
 
 def resolve_chat_template(tokenizer: Any, chat_template: str | None) -> str:
@@ -269,10 +289,11 @@ def parse_chat_messages(
     chat_template_kwargs: dict[str, Any] | None = None,
     continue_final_message: bool = False,
     media: ImageMediaConnector | None = None,
+    content_format: str = "auto",
 ) -> dict[str, Any]:
     """Blocking: messages -> ``{"prompt_token_ids", "prompt", "multi_modal_data"}`` (offline
     ``LLM.chat``). Image URLs are loaded with ``media`` (default rules if omitted)."""
-    parsed = parse_conversation(messages)
+    parsed = parse_conversation(messages, content_format)
     text, ids = _render_and_tokenize(
         tokenizer,
         parsed,

@@ -19,7 +19,8 @@ class LLM:
 
     Accepts every :class:`~vllm.engine.arg_utils.EngineArgs` field as a keyword argument
     (``dtype``, ``enforce_eager``, ``max_model_len``, ``max_num_seqs``,
-    ``limit_mm_per_prompt``, ``load_format``, ``seed``, ...).
+    ``limit_mm_per_prompt``, ``load_format``, ``seed``, ``revision``, ``download_dir``,
+    ``mm_processor_kwargs``, ``hf_overrides``, ...).
     """
 
     def __init__(self, model: str, *, tokenizer: str | None = None, dtype: str = "auto",
@@ -45,9 +46,12 @@ class LLM:
         return self.llm_engine.default_sampling_params()
 
     def generate(self, prompts: Any, sampling_params: SamplingParams | Sequence[SamplingParams]
-                 | None = None, use_tqdm: bool = True) -> list[RequestOutput]:
+                 | None = None, use_tqdm: bool = True,
+                 lora_request: Any = None) -> list[RequestOutput]:
         """Generates for one prompt or a list (strings, token-id dicts, multimodal dicts,
-        explicit encoder/decoder dicts). Returns outputs in input order."""
+        explicit encoder/decoder dicts; ``vllm.inputs`` types them). Returns outputs in input
+        order. ``lora_request`` must be None (LoRA adapters are not supported)."""
+        _check_no_lora(lora_request)
         if isinstance(prompts, (str, dict)) or not isinstance(prompts, Iterable):
             prompts = [prompts]  # one prompt (checked below like any other)
         prompts = list(prompts)
@@ -67,19 +71,35 @@ class LLM:
 
     def chat(self, messages: list[dict[str, Any]] | list[list[dict[str, Any]]],
              sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-             use_tqdm: bool = True, chat_template: str | None = None,
-             add_generation_prompt: bool = True,
-             chat_template_kwargs: dict[str, Any] | None = None) -> list[RequestOutput]:
-        """OpenAI-style messages (text and ``image_url`` parts) through the chat template."""
+             use_tqdm: bool = True, lora_request: Any = None,
+             chat_template: str | None = None, chat_template_content_format: str = "auto",
+             add_generation_prompt: bool = True, continue_final_message: bool = False,
+             tools: list[dict[str, Any]] | None = None,
+             chat_template_kwargs: dict[str, Any] | None = None,
+             mm_processor_kwargs: dict[str, Any] | None = None) -> list[RequestOutput]:
+        """OpenAI-style messages (text and ``image_url`` parts) through the chat template,
+        with vLLM's options: ``continue_final_message`` continues the last (assistant)
+        message instead of starting a new one; ``chat_template_content_format`` "string"
+        gives the template string content (placeholders for images), "auto"/"openai" parts;
+        ``tools`` reach the template. Processor options are the engine's
+        (``LLM(mm_processor_kwargs=...)``), not per call."""
         from vllm.entrypoints.chat_utils import parse_chat_messages
 
+        _check_no_lora(lora_request)
+        if mm_processor_kwargs:
+            raise ValueError("mm_processor_kwargs per chat call is not supported; pass it to "
+                             "LLM(..., mm_processor_kwargs=...) instead.")
+        kwargs = dict(chat_template_kwargs or {})
+        if tools is not None:
+            kwargs["tools"] = tools
         conversations = messages if messages and isinstance(messages[0], list) else [messages]
         prompts = []
         for conv in conversations:
             prompts.append(parse_chat_messages(
                 conv, self.get_tokenizer(), chat_template=chat_template,
-                add_generation_prompt=add_generation_prompt,
-                chat_template_kwargs=chat_template_kwargs))
+                add_generation_prompt=add_generation_prompt, chat_template_kwargs=kwargs,
+                continue_final_message=continue_final_message,
+                content_format=chat_template_content_format))
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
 
     def _params_list(self, sampling_params: Any, n: int) -> list[SamplingParams]:
@@ -124,6 +144,11 @@ class LLM:
         if bar is not None:
             bar.close()
         return [results[i] for i in ids]
+
+
+def _check_no_lora(lora_request: Any) -> None:
+    if lora_request is not None:
+        raise ValueError("lora_request: LoRA adapters are not supported by this engine.")
 
 
 def check_prompt(prompt: Any, where: str = "prompt") -> None:

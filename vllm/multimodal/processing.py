@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from functools import cached_property
 from typing import Any
 
 import torch
@@ -46,6 +47,8 @@ class ProcessedInputs:
     last_group: tuple[int, int] | None = None
     prompt: str | None = None
     tokens_per_tile: int = 0
+    image_token_id: int = 0
+    image_token: str = "<|image|>"
 
     def image_token_offsets(self) -> list[int]:
         """Start of each image in the request's packed vision tokens (plus the total)."""
@@ -75,6 +78,24 @@ class ProcessedInputs:
     def num_images(self) -> int:
         return self.images.num_images if self.images else 0
 
+    @cached_property
+    def encoder_prompt_token_ids(self) -> list[int]:
+        """vLLM's encoder prompt for this model: one image token per vision token of the last
+        image group (1,601 per 560-px tile), empty without images. Usage counts add it to the
+        decoder prompt, as vLLM's do; built once per request and shared by its outputs."""
+        return [self.image_token_id] * self.encoder_seq_len
+
+    @cached_property
+    def encoder_prompt(self) -> str:
+        return self.image_token * self.encoder_seq_len
+
+
+def tile_arrangements(max_tiles: int) -> list[tuple[int, int]]:
+    """The Mllama image processor's table of tile arrangements (width, height) for at most
+    ``max_tiles`` tiles, in its order; an aspect-ratio id is 1 + an index into it."""
+    sizes = range(1, max_tiles + 1)
+    return [(w, h) for w in sizes for h in sizes if w * h <= max_tiles]
+
 
 def _as_image_list(data: Any) -> list[Any]:
     from PIL import Image
@@ -92,7 +113,8 @@ class MllamaInputProcessor:
 
     def __init__(self, spec: MllamaSpec, tokenizer: Any, image_processor: Any,
                  limit_images: int, max_model_len: int,
-                 pixel_dtype: torch.dtype = torch.float32, pin_memory: bool = False) -> None:
+                 pixel_dtype: torch.dtype = torch.float32, pin_memory: bool = False,
+                 processor_kwargs: dict[str, Any] | None = None) -> None:
         self.spec = spec
         self.tokenizer = tokenizer
         self.image_processor = image_processor
@@ -102,18 +124,37 @@ class MllamaInputProcessor:
         # the pinning happen in the input-processing thread, off the step's critical path.
         self.pixel_dtype = pixel_dtype
         self.pin_memory = pin_memory
+        self.image_token = str(tokenizer.convert_ids_to_tokens(spec.image_token_id))
+        # --mm-processor-kwargs (checked by EngineArgs), passed on every call.
+        self.processor_kwargs = dict(processor_kwargs or {})
 
     def process_images(self, images: Sequence[Any]) -> ImageInputs:
-        out = self.image_processor(images=[list(images)], return_tensors="pt")
+        out = self.image_processor(
+            images=[list(images)], return_tensors="pt", **self.processor_kwargs
+        )
         num_tiles = [int(n) for n in out["num_tiles"][0]]
-        pixels = out["pixel_values"][0].to(self.pixel_dtype)
+        pixels = out["pixel_values"][0]
+        ratio_ids = out["aspect_ratio_ids"][0].long()
+        if pixels.shape[1] < self.spec.vision.max_num_tiles:  # max_image_tiles was lowered
+            pixels, ratio_ids = self._to_model_tiles(pixels, ratio_ids)
+        pixels = pixels.to(self.pixel_dtype)
         if self.pin_memory:
             pixels = pixels.pin_memory()
-        return ImageInputs(
-            pixel_values=pixels,
-            aspect_ratio_ids=out["aspect_ratio_ids"][0].long(),
-            num_tiles=num_tiles,
-        )
+        return ImageInputs(pixel_values=pixels, aspect_ratio_ids=ratio_ids, num_tiles=num_tiles)
+
+    def _to_model_tiles(
+        self, pixels: torch.Tensor, ratio_ids: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Images tiled at fewer than the model's ``max_num_tiles``: the tiles are padded with
+        zeros to the model's count, and the aspect-ratio ids, which index the arrangements for
+        the lower count, are mapped to the model's table of arrangements."""
+        used = pixels.shape[1]
+        pad = self.spec.vision.max_num_tiles - used
+        pixels = torch.cat([pixels, pixels.new_zeros((pixels.shape[0], pad, *pixels.shape[2:]))], 1)
+        theirs = tile_arrangements(used)
+        ours = [tuple(r) for r in self.spec.vision.supported_aspect_ratios]
+        mapped = [ours.index(theirs[int(i) - 1]) + 1 for i in ratio_ids]
+        return pixels, torch.tensor(mapped, dtype=torch.long)
 
     def tokenize(self, text: str) -> list[int]:
         return list(self.tokenizer(text, add_special_tokens=True)["input_ids"])
@@ -150,6 +191,8 @@ class MllamaInputProcessor:
             last_group=last_group(token_ids, spec.image_token_id),
             prompt=prompt,
             tokens_per_tile=spec.vision.tokens_per_tile,
+            image_token_id=spec.image_token_id,
+            image_token=self.image_token,
         )
 
     def process(self, prompt: Any) -> ProcessedInputs:
@@ -188,7 +231,7 @@ class MllamaInputProcessor:
         enc = {"prompt": enc} if isinstance(enc, str) else enc
         images = self._images_of(enc)
         enc_text = enc.get("prompt", "")
-        image_tok = self.tokenizer.convert_ids_to_tokens(self.spec.image_token_id)
+        image_tok = self.image_token
         if enc_text.replace(image_tok, "").strip():
             raise ValueError("encoder_prompt may only contain image tokens for this model")
         if isinstance(dec, dict) and "prompt_token_ids" in dec:

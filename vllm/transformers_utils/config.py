@@ -260,8 +260,11 @@ def text_dtype(raw: dict[str, Any]) -> str | None:
     return text.get("torch_dtype") or text.get("dtype")
 
 
-def load_mllama_config(model_dir: str | Path) -> MllamaSpec:
-    """Reads ``config.json`` from a local checkpoint folder."""
+def load_mllama_config(
+    model_dir: str | Path, overrides: dict[str, Any] | None = None
+) -> MllamaSpec:
+    """Reads ``config.json`` from a local checkpoint folder; ``overrides`` (``hf_overrides``)
+    replace its values, nested objects (``text_config``, ``vision_config``) key by key."""
     path = Path(model_dir) / "config.json"
     if not path.is_file():
         raise ConfigError(f"{path}: not found (a checkpoint folder needs config.json)")
@@ -269,4 +272,22 @@ def load_mllama_config(model_dir: str | Path) -> MllamaSpec:
         raw = json.loads(path.read_text())
     except json.JSONDecodeError as e:
         raise ConfigError(f"{path}: not valid JSON ({e})") from e
-    return parse_mllama_config(raw)
+    if overrides:
+        raw = apply_overrides(raw, overrides)
+    try:
+        return parse_mllama_config(raw)
+    except (TypeError, ValueError, KeyError) as e:
+        if not overrides or isinstance(e, ConfigError):
+            raise
+        raise ConfigError(f"config.json with hf_overrides: {e}") from e
+
+
+def apply_overrides(raw: dict[str, Any], overrides: dict[str, Any]) -> dict[str, Any]:
+    """``overrides`` over ``raw``: a dict value over a dict merges into it (recursively)."""
+    out = dict(raw)
+    for key, value in overrides.items():
+        if isinstance(value, dict) and isinstance(out.get(key), dict):
+            out[key] = apply_overrides(out[key], value)
+        else:
+            out[key] = value
+    return out

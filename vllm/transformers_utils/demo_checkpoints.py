@@ -1,7 +1,7 @@
 """Built-in demo checkpoints, generated locally and deterministically on first use.
 
-This engine has no model hub access: it loads local Hugging Face folders, or one of the names
-below, which are built into a cache folder the first time they are asked for.
+Besides local folders and hub model IDs (``hub.py``), the engine loads the names below, which
+are built into a cache folder the first time they are asked for (no download needed).
 
 * ``demo/mllama-tiny``: a tiny random Llama 3.2 Vision model (600 k parameters, 2 safetensors
   shards, a byte-level tokenizer, the Instruct chat template); a CPU forward takes milliseconds.
@@ -383,22 +383,6 @@ def get_demo_checkpoint(name: str) -> Path:
             shutil.rmtree(tmp, ignore_errors=True)
             raise
     return target
-
-
-def resolve_model(name_or_path: str) -> Path:
-    """A demo name -> its generated folder; an existing local folder -> that path."""
-    if is_demo_model(name_or_path):
-        return get_demo_checkpoint(name_or_path)
-    path = Path(name_or_path).expanduser()
-    if path.is_dir():
-        return path
-    raise FileNotFoundError(
-        f"model {name_or_path!r} is neither a local folder nor a demo checkpoint name. This "
-        "engine loads local Hugging Face checkpoint folders (config.json, *.safetensors, "
-        "tokenizer files) and the built-in demo names "
-        f"{', '.join(DEMO_MODELS)}; it has no model hub access, so download the checkpoint "
-        "yourself and pass its folder."
-    )
 
 
 def main(argv: list[str] | None = None) -> None:

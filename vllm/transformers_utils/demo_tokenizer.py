@@ -40,6 +40,11 @@ CHAT_TEMPLATE_FILE = "llama32_vision_instruct.jinja"
 LLAMA_MODELS_HINT = "pip install llama-models tiktoken"
 
 
+class DemoCheckpointError(OSError):
+    """A demo checkpoint cannot be built here (its tokenizer needs an optional package that is
+    missing or broken). An ``OSError``, like any other checkpoint that cannot be read."""
+
+
 def llama3_special_tokens() -> list[str]:
     """The 256 Llama 3 special tokens in id order (ids ``base`` .. ``base + 255``)."""
     named = [
@@ -117,13 +122,15 @@ def llama3_ranks_path() -> Path:
     """Locates ``llama_models/llama3/tokenizer.model`` without importing the package."""
     spec = importlib.util.find_spec("llama_models")
     if spec is None or not spec.submodule_search_locations:
-        raise RuntimeError(
-            "the full-size demo checkpoints use the real Llama 3 tokenizer, which ships in the "
-            f"optional PyPI package `llama-models`; install it with `{LLAMA_MODELS_HINT}`"
+        raise DemoCheckpointError(
+            "the full-size demo checkpoints (demo/mllama-11b, demo/mllama-11b-base, "
+            "demo/mllama-90b) use the real Llama 3 tokenizer, which ships in the optional PyPI "
+            f"package `llama-models`; install it with `{LLAMA_MODELS_HINT}`, or serve "
+            "demo/mllama-tiny"
         )
     path = Path(next(iter(spec.submodule_search_locations))) / "llama3" / "tokenizer.model"
     if not path.is_file():
-        raise RuntimeError(f"{path} is missing; reinstall with `{LLAMA_MODELS_HINT}`")
+        raise DemoCheckpointError(f"{path} is missing; reinstall with `{LLAMA_MODELS_HINT}`")
     return path
 
 
@@ -157,7 +164,9 @@ def build_llama3_tokenizer() -> Tokenizer:
     """The real Llama 3 tokenizer (128,000 BPE tokens + 256 specials + ``<|image|>``)."""
     ranks = load_bpe_ranks(llama3_ranks_path())
     if len(ranks) != LLAMA3_BASE_VOCAB:
-        raise RuntimeError(f"expected {LLAMA3_BASE_VOCAB} Llama 3 BPE ranks, found {len(ranks)}")
+        raise DemoCheckpointError(
+            f"expected {LLAMA3_BASE_VOCAB} Llama 3 BPE ranks, found {len(ranks)}"
+        )
     table = byte_to_unicode()
     vocab = {_bytes_to_symbol(t, table): r for t, r in ranks.items()}
     merges = [

@@ -6,12 +6,14 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import importlib.util
 import os
 import signal
 import socket
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import httpx
 import pytest
@@ -54,8 +56,8 @@ def test_help_and_bad_flag_exit_codes() -> None:
     assert r.returncode == 2 and "unrecognized arguments: --no-such-flag" in r.stderr
 
 
-def _serve_args(*extra: str) -> argparse.Namespace:
-    return make_parser().parse_args(["serve", "demo/mllama-tiny", *extra])
+def _serve_args(*extra: str, model: str = "demo/mllama-tiny") -> argparse.Namespace:
+    return make_parser().parse_args(["serve", model, *extra])
 
 
 def test_bad_choice_is_an_argparse_error(capsys: pytest.CaptureFixture[str]) -> None:
@@ -192,4 +194,23 @@ def test_api_key_from_env(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("VLLM_API_KEY", "from-env")
     args = make_parser().parse_args(["serve", "m"])
     validate_parsed_serve_args(args)
-    assert args.api_key == "from-env"
+    assert args.api_key == ["from-env"]
+
+
+def test_demo_11b_without_llama_models_is_one_line(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """The full-size demos need the optional llama-models package for their tokenizer: without
+    it ``vllm serve demo/mllama-11b`` prints how to install it, with no traceback."""
+    real_find_spec = importlib.util.find_spec
+    monkeypatch.setattr(
+        importlib.util,
+        "find_spec",
+        lambda name, *a: None if name == "llama_models" else real_find_spec(name, *a),
+    )
+    monkeypatch.setenv("VLLM_DEMO_DIR", str(tmp_path))  # nothing cached: the build runs
+    with pytest.raises(SystemExit) as exc:
+        run_server(_serve_args("--host", "127.0.0.1", "--port", "0", model="demo/mllama-11b"))
+    message = exc.value.code
+    assert isinstance(message, str) and message.startswith("Error: ")
+    assert "\n" not in message and "pip install llama-models" in message

@@ -54,12 +54,23 @@ def test_chat_image_data_url(server: RunningServer, client: openai.OpenAI) -> No
         temperature=0.0,
     )
     assert resp.choices[0].finish_reason in ("stop", "length")
-    # The prompt counts one <|image|> token for the image (no encoder tokens).
+    # As vLLM counts: the decoder prompt (one <|image|> token for the image) plus the encoder
+    # prompt, one vision token per patch and class token of each tile: (56/14)^2 + 1 = 17 for
+    # the tiny demo's one tile here (1,601 for a 560-px tile).
     tokenized = httpx.post(
         f"{server.url}/tokenize", json={"messages": image_message("data:image/png;base64,AA")}
     ).json()
-    assert resp.usage.prompt_tokens == tokenized["count"]
     assert tokenized["tokens"].count(512) == 1  # <|image|>
+    assert resp.usage.prompt_tokens == tokenized["count"] + 17
+    stream = client.chat.completions.create(
+        model=MODEL,
+        messages=image_message(png_data_url()),
+        max_completion_tokens=4,
+        temperature=0.0,
+        stream=True,
+        stream_options={"include_usage": True},
+    )
+    assert list(stream)[-1].usage.prompt_tokens == resp.usage.prompt_tokens
 
 
 def test_chat_model_optional_and_extra_fields_ignored(server: RunningServer) -> None:
@@ -313,5 +324,7 @@ def test_greedy_chat_matches_offline_llm(client: openai.OpenAI) -> None:
         messages, SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True), use_tqdm=False
     )[0]
     assert online.choices[0].message.content == offline.outputs[0].text
-    assert online.usage.prompt_tokens == len(offline.prompt_token_ids)
+    encoder = offline.encoder_prompt_token_ids
+    assert encoder and set(encoder) == {512}  # the vision tokens of the one image
+    assert online.usage.prompt_tokens == len(offline.prompt_token_ids) + len(encoder)
     assert offline.prompt_token_ids.count(256) == 1  # one BOS

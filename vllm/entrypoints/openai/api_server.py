@@ -33,7 +33,11 @@ from vllm.engine.arg_utils import EngineArgs
 from vllm.engine.async_llm_engine import AsyncLLMEngine, EngineDeadError
 from vllm.engine.cli_args import FlexibleArgumentParser
 from vllm.entrypoints.chat_utils import load_chat_template
-from vllm.entrypoints.openai.cli_args import make_arg_parser, validate_parsed_serve_args
+from vllm.entrypoints.openai.cli_args import (
+    make_arg_parser,
+    ssl_options,
+    validate_parsed_serve_args,
+)
 from vllm.entrypoints.openai.http_limits import uvicorn_config
 from vllm.entrypoints.openai.metrics import CONTENT_TYPE, ServerMetrics
 from vllm.entrypoints.openai.middleware import (
@@ -337,8 +341,7 @@ def run_server(args: argparse.Namespace) -> None:
             limits,
             log_level=args.uvicorn_log_level,
             access_log=not args.disable_uvicorn_access_log,
-            ssl_keyfile=args.ssl_keyfile,
-            ssl_certfile=args.ssl_certfile,
+            **ssl_options(args),
             # A backstop: after the engine stops, responses end within moments.
             timeout_graceful_shutdown=shutdown_timeout + 10,
         )

@@ -5,12 +5,20 @@ from __future__ import annotations
 
 import argparse
 import json
+import ssl
+from pathlib import Path
+from typing import Any
 
 from vllm import envs
+from vllm.engine.arg_parsing import CONFIG_FLAG
 from vllm.engine.arg_utils import EngineArgs
 from vllm.engine.cli_args import resolve_model_tag
+from vllm.logger import init_logger
+
+logger = init_logger(__name__)
 
 UVICORN_LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")
+SSL_CERT_REQS = (int(ssl.CERT_NONE), int(ssl.CERT_OPTIONAL), int(ssl.CERT_REQUIRED))
 
 
 def _json_list(value: str) -> list[str]:
@@ -28,7 +36,31 @@ def make_arg_parser(
 ) -> argparse.ArgumentParser:
     """Adds the server flags and the engine flags to ``parser``."""
     g = parser.add_argument_group("server arguments")
-    g.add_argument("--host", default=None, help="Host name to listen on (default: all interfaces).")
+    _add_http_args(g)
+    _add_chat_args(g)
+    _add_tls_args(g)
+    _add_upstream_only_args(g)
+    _add_media_and_logging_args(g)
+    add_server_limit_args(parser)
+    show_defaults(g)
+    EngineArgs.add_cli_args(parser, positional_model=positional_model)
+    return parser
+
+
+def _add_http_args(g: argparse._ArgumentGroup) -> None:
+    """Where to listen, uvicorn's logging, CORS."""
+    g.add_argument(
+        CONFIG_FLAG,
+        default=None,
+        help="A YAML file of flags (max-model-len: 4096; lists for flags taking several "
+        "values); flags on the command line win.",
+    )
+    g.add_argument(
+        "--host",
+        default=None,
+        help="Host name or address to listen on; 127.0.0.1 for this machine only (default: "
+        "all interfaces).",
+    )
     g.add_argument("--port", type=int, default=8000, help="Port number (default: 8000).")
     g.add_argument(
         "--uvicorn-log-level",
@@ -58,11 +90,16 @@ def make_arg_parser(
         default=["*"],
         help="CORS: allowed headers, as a JSON list.",
     )
+
+
+def _add_chat_args(g: argparse._ArgumentGroup) -> None:
+    """API keys and the chat template."""
     g.add_argument(
         "--api-key",
+        nargs="+",
         default=None,
-        help="If given (or env VLLM_API_KEY), /v1/* "
-        "requests must send 'Authorization: Bearer <key>'.",
+        help="One or more keys (or env VLLM_API_KEY): /v1/*, /tokenize and /detokenize "
+        "requests must send 'Authorization: Bearer <key>' with one of them.",
     )
     g.add_argument(
         "--chat-template",
@@ -73,16 +110,18 @@ def make_arg_parser(
         "--chat-template-content-format",
         default="auto",
         choices=("auto", "string", "openai"),
-        help="Accepted for compatibility; "
-        "content is always given to the template as OpenAI-style parts.",
+        help="Accepted for compatibility: the server gives the template content as "
+        "OpenAI-style parts, which this model's template expects ('string' warns).",
     )
     g.add_argument(
         "--response-role",
         default="assistant",
         help="Role of generated messages when add_generation_prompt is true.",
     )
-    g.add_argument("--ssl-keyfile", default=None, help="SSL key file.")
-    g.add_argument("--ssl-certfile", default=None, help="SSL certificate file.")
+
+
+def _add_media_and_logging_args(g: argparse._ArgumentGroup) -> None:
+    """The proxy root path, image sources, request logging, docs and metrics access."""
     g.add_argument(
         "--root-path", default=None, help="FastAPI root_path when behind a path-based proxy."
     )
@@ -128,9 +167,67 @@ def make_arg_parser(
         help="With --api-key, /metrics requires the key too (default: open for scrapers). "
         "/tokenize and /detokenize always require it.",
     )
-    add_server_limit_args(parser)
-    EngineArgs.add_cli_args(parser, positional_model=positional_model)
-    return parser
+
+def _add_tls_args(g: argparse._ArgumentGroup) -> None:
+    """TLS, and client certificates checked against a CA (uvicorn's options)."""
+    g.add_argument("--ssl-keyfile", default=None, help="SSL key file.")
+    g.add_argument("--ssl-certfile", default=None, help="SSL certificate file.")
+    g.add_argument(
+        "--ssl-ca-certs", default=None, help="CA certificates file that client certificates "
+        "are checked against."
+    )
+    g.add_argument(
+        "--ssl-cert-reqs",
+        type=int,
+        default=int(ssl.CERT_NONE),
+        choices=SSL_CERT_REQS,
+        help="Client certificates: 0 not asked for, 1 checked if sent, 2 required (Python's "
+        "ssl.CERT_NONE / CERT_OPTIONAL / CERT_REQUIRED).",
+    )
+
+
+def _add_upstream_only_args(g: argparse._ArgumentGroup) -> None:
+    """Upstream server flags for what this server does not have or need (checked by
+    ``check_upstream_only_flags``)."""
+    g.add_argument(
+        "--disable-frontend-multiprocessing",
+        action="store_true",
+        help="Accepted: the API server and the engine already run in one process.",
+    )
+    g.add_argument(
+        "--lora-modules",
+        nargs="+",
+        default=None,
+        help="Not supported (an error): LoRA adapters are not implemented.",
+    )
+    g.add_argument(
+        "--enable-auto-tool-choice",
+        action="store_true",
+        help="Not supported (an error): tool calling is not implemented.",
+    )
+    g.add_argument(
+        "--tool-call-parser",
+        default=None,
+        help="Not supported (an error): tool calling is not implemented.",
+    )
+    g.add_argument(
+        "--guided-decoding-backend",
+        default=None,
+        help="Accepted with a warning: structured output is not implemented; requests "
+        "asking for it get a 400.",
+    )
+
+
+def show_defaults(group: argparse._ArgumentGroup) -> None:
+    """Appends ``(default: X)`` to the help of each flag in ``group`` that does not say it."""
+    for action in group._group_actions:
+        text = action.help or ""
+        if action.default is None or action.default is False or "default" in text.lower():
+            continue
+        shown = action.default
+        if isinstance(shown, list):
+            shown = json.dumps(shown)
+        action.help = f"{text} (default: {shown})"
 
 
 # (flag, type, default, help) of the server limits; docs/security.md lists every limit.
@@ -196,11 +293,65 @@ def validate_parsed_serve_args(args: argparse.Namespace) -> None:
     resolve_model_tag(args)
     if args.model is None:
         args.model = EngineArgs.model
-    if args.api_key is None:
-        args.api_key = envs.VLLM_API_KEY
+    if args.api_key is None and envs.VLLM_API_KEY:
+        args.api_key = [envs.VLLM_API_KEY]
+    if isinstance(args.api_key, str):
+        args.api_key = [args.api_key]
+    check_ssl_args(args)
     if args.enable_log_requests and args.disable_log_requests:
         raise ValueError("--enable-log-requests and --disable-log-requests conflict.")
     if not 0 <= args.port <= 65535:
         raise ValueError(f"--port must be in 0..65535, got {args.port}")
     if args.max_log_len is not None and args.max_log_len < 0:
         raise ValueError("--max-log-len must be non-negative")
+    check_upstream_only_flags(args)
+
+
+def check_upstream_only_flags(args: argparse.Namespace) -> None:
+    """Upstream server flags for what this server does not have: refused, or accepted with a
+    message that says why nothing changes (docs/compatibility.md lists them)."""
+    if args.lora_modules:
+        raise ValueError("--lora-modules: LoRA adapters are not supported by this engine.")
+    if args.enable_auto_tool_choice or args.tool_call_parser:
+        raise ValueError(
+            "--enable-auto-tool-choice / --tool-call-parser: tool calling is not supported by "
+            "this engine (requests with tools and tool_choice other than 'none' get a 400)."
+        )
+    if args.guided_decoding_backend:
+        logger.warning(
+            "Ignoring --guided-decoding-backend %s: structured output is not supported; "
+            "requests that ask for it get a 400.",
+            args.guided_decoding_backend,
+        )
+    if args.chat_template_content_format == "string":
+        logger.warning(
+            "--chat-template-content-format string is not applied by the server: this "
+            "model's chat template reads content as OpenAI-style parts, which it is given."
+        )
+    if args.disable_frontend_multiprocessing:
+        logger.info(
+            "--disable-frontend-multiprocessing: accepted; the API server and the engine "
+            "already run in one process."
+        )
+
+
+def check_ssl_args(args: argparse.Namespace) -> None:
+    """The TLS flags name readable files, and client-certificate checks need TLS."""
+    for flag in ("ssl_keyfile", "ssl_certfile", "ssl_ca_certs"):
+        value = getattr(args, flag)
+        if value is not None and not Path(value).is_file():
+            raise ValueError(f"--{flag.replace('_', '-')}: {value} is not a readable file")
+    if (args.ssl_ca_certs or args.ssl_cert_reqs) and not args.ssl_certfile:
+        raise ValueError("--ssl-ca-certs and --ssl-cert-reqs need --ssl-certfile (TLS)")
+    if args.ssl_cert_reqs and not args.ssl_ca_certs:
+        raise ValueError("--ssl-cert-reqs 1 or 2 needs --ssl-ca-certs to check clients against")
+
+
+def ssl_options(args: argparse.Namespace) -> dict[str, Any]:
+    """uvicorn's TLS settings from the server flags."""
+    return {
+        "ssl_keyfile": args.ssl_keyfile,
+        "ssl_certfile": args.ssl_certfile,
+        "ssl_ca_certs": args.ssl_ca_certs,
+        "ssl_cert_reqs": args.ssl_cert_reqs,
+    }

@@ -20,16 +20,21 @@ PROTECTED_PREFIXES = ("/v1", "/tokenize", "/detokenize")
 
 
 class APIKeyMiddleware:
-    """Requires ``Authorization: Bearer <key>`` on the protected paths.
+    """Requires ``Authorization: Bearer <key>`` on the protected paths, with any one of the
+    server's keys (``--api-key a b``: several clients, or a key being rotated).
 
     Pure ASGI, so streamed responses and disconnect detection pass through untouched.
     """
 
     def __init__(
-        self, app: ASGIApp, api_key: str, protected: Iterable[str] = PROTECTED_PREFIXES
+        self,
+        app: ASGIApp,
+        api_key: str | Iterable[str],
+        protected: Iterable[str] = PROTECTED_PREFIXES,
     ) -> None:
         self.app = app
-        self.expected = f"Bearer {api_key}".encode()
+        keys = [api_key] if isinstance(api_key, str) else list(api_key)
+        self.expected = [f"Bearer {key}".encode() for key in keys]
         self.protected = tuple(protected)
 
     def _needs_key(self, scope: Scope) -> bool:
@@ -49,7 +54,9 @@ class APIKeyMiddleware:
             if name == b"authorization":
                 given = value
                 break
-        if hmac.compare_digest(given, self.expected):
+        # Every key is compared (no early exit), so the time taken does not tell which matched.
+        matches = [hmac.compare_digest(given, key) for key in self.expected]
+        if any(matches):
             return await self.app(scope, receive, send)
         await JSONResponse({"error": "Unauthorized"}, status_code=401)(scope, receive, send)
 

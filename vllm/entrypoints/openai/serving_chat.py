@@ -1,9 +1,9 @@
 """``POST /v1/chat/completions``: messages through the chat template, images, JSON or SSE.
 
-Usage accounting: ``prompt_tokens`` is the decoder prompt's token count, i.e. the rendered
-chat text plus one ``<|image|>`` token per image. vLLM's mllama also added the encoder's vision
-tokens (``num_tiles x 1601`` per image); we do not, so ``prompt_tokens`` measures what the
-client sent, independent of how an image is tiled.
+Usage accounting, as vLLM's: ``prompt_tokens`` is the decoder prompt (the rendered chat text,
+one ``<|image|>`` token per image) plus the encoder prompt, 1,601 vision tokens per tile of the
+last image group (the images decoded tokens see; ``RequestOutput.encoder_prompt_token_ids``).
+Admission checks the decoder prompt alone against ``max_model_len`` (docs/compatibility.md).
 """
 
 from __future__ import annotations
@@ -109,7 +109,8 @@ class OpenAIServingChat(OpenAIServing):
                 else str(request.messages[-1].get("role", "assistant"))
             )
             gen = self.generate(processed, params, engine_id, ticket)
-            num_prompt = len(prompt["prompt_token_ids"])
+            # vLLM's count: the decoder prompt plus the encoder prompt (see the docstring).
+            num_prompt = len(prompt["prompt_token_ids"]) + processed.encoder_seq_len
             if request.stream:
                 body = self._stream(request, gen, response_id, model, role, params, num_prompt)
                 return SSEResponse(body, on_close=ticket.close)
