@@ -21,13 +21,13 @@ from vllm.config import (
 )
 from vllm.engine.cli_args import add_engine_cli_args, parse_limit_mm_per_prompt
 from vllm.logger import init_logger
+from vllm.model_executor.layers.quantization import resolve_quantization
 from vllm.transformers_utils.config import load_mllama_config
 from vllm.transformers_utils.demo_checkpoints import resolve_model
 
 logger = init_logger(__name__)
 
 CPU_DEFAULT_MAX_MODEL_LEN = 8192
-SUPPORTED_QUANTIZATION: tuple[str, ...] = ()
 
 
 @dataclass
@@ -93,9 +93,7 @@ class EngineArgs:
         return torch.device(self.device)
 
     def _check_unsupported(self) -> None:
-        if self.quantization is not None and self.quantization not in SUPPORTED_QUANTIZATION:
-            raise ValueError(f"quantization={self.quantization!r} is not supported yet; this "
-                             "engine serves bf16/fp16/fp32 weights")
+        resolve_quantization(self.quantization, "auto", None)  # the flag alone, early
         if self.tensor_parallel_size != 1:
             raise ValueError("tensor_parallel_size > 1 is not supported yet (one GPU per model)")
         if self.kv_cache_dtype != "auto":
@@ -117,6 +115,8 @@ class EngineArgs:
         path = resolve_model(self.model)
         tok_path = resolve_model(self.tokenizer) if self.tokenizer else path
         spec = load_mllama_config(path)
+        quantization = resolve_quantization(self.quantization, self.load_format,
+                                            spec.quantization)
         dtype = resolve_dtype(self.dtype, spec.torch_dtype, device)
         limits = parse_limit_mm_per_prompt(self.limit_mm_per_prompt)
         limit_images = limits.get("image", 1)
@@ -132,7 +132,7 @@ class EngineArgs:
             load_format=self.load_format, seed=self.seed if self.seed is not None else 0,
             enforce_eager=self.enforce_eager, limit_images_per_prompt=limit_images,
             generation_config=self.generation_config, max_logprobs=self.max_logprobs,
-            quantization=self.quantization)
+            quantization=quantization)
         sizes = tuple(sorted(set(self.cuda_graph_sizes or ())))
         if any(s < 1 for s in sizes):
             raise ValueError(f"cuda_graph_sizes must be positive, got {list(sizes)}")

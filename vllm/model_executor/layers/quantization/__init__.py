@@ -11,7 +11,14 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
 
+from vllm.logger import init_logger
 from vllm.model_executor.layers.linear import LinearFormat
+from vllm.transformers_utils.config import QuantSpec
+
+logger = init_logger(__name__)
+
+SUPPORTED_METHODS = ("bitsandbytes",)
+_SUPPORTED_TEXT = "bitsandbytes 4-bit (NF4 or FP4; quantization='bitsandbytes')"
 
 
 class QuantizationConfig(ABC):
@@ -39,3 +46,45 @@ def layer_format(
 def join(prefix: str, name: str) -> str:
     """``prefix.name``, or ``name`` at the top level."""
     return f"{prefix}.{name}" if prefix else name
+
+
+def resolve_quantization(
+    flag: str | None, load_format: str, checkpoint: QuantSpec | None
+) -> str | None:
+    """The quantization method an engine runs: the ``--quantization`` flag, else the one of the
+    checkpoint's config.json; raises ValueError naming what is supported when the flag, the
+    checkpoint or ``--load-format`` ask for something not built."""
+    if flag is not None and flag.lower() not in SUPPORTED_METHODS:
+        raise ValueError(
+            f"quantization={flag!r} is not supported yet; this engine serves "
+            f"bf16/fp16/fp32 weights and {_SUPPORTED_TEXT}"
+        )
+    method = flag.lower() if flag is not None else None
+    if checkpoint is not None:
+        if checkpoint.method not in SUPPORTED_METHODS:
+            raise ValueError(
+                f"the checkpoint is quantized with {checkpoint.method!r} (config.json"
+                f" quantization_config.quant_method), which is not supported; "
+                f"supported: {_SUPPORTED_TEXT}"
+            )
+        if checkpoint.load_in_8bit or not checkpoint.load_in_4bit:
+            raise ValueError(
+                "the checkpoint is 8-bit bitsandbytes (LLM.int8, load_in_8bit), "
+                f"which is not supported; supported: {_SUPPORTED_TEXT}"
+            )
+        if checkpoint.quant_storage not in (None, "uint8"):
+            raise ValueError(
+                f"bnb_4bit_quant_storage={checkpoint.quant_storage!r} is not supported (uint8 is)"
+            )
+        if method is None:
+            logger.info(
+                "config.json: a bitsandbytes 4-bit checkpoint (quantization 'bitsandbytes')"
+            )
+            method = checkpoint.method
+    if load_format == "bitsandbytes" and method != "bitsandbytes":
+        raise ValueError(
+            "load_format='bitsandbytes' needs quantization='bitsandbytes' (or a "
+            "checkpoint whose config.json has quantization_config.quant_method "
+            "'bitsandbytes')"
+        )
+    return method
