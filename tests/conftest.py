@@ -42,3 +42,20 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+@pytest.fixture(scope="session")
+def bnb_checkpoint(tmp_path_factory: pytest.TempPathFactory):
+    """``name -> folder``: bitsandbytes 4-bit checkpoints of the tiny demo model, written by
+    transformers + bitsandbytes on first use (``helpers/bnb_checkpoints.py`` lists them)."""
+    from helpers.bnb_checkpoints import VARIANTS, make_checkpoint
+
+    root = tmp_path_factory.mktemp("bnb")
+    made: dict[str, Path] = {}
+
+    def get(name: str) -> Path:
+        if name not in made:
+            made[name] = make_checkpoint(root / name, VARIANTS[name])
+        return made[name]
+
+    return get

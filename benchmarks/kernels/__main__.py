@@ -20,6 +20,10 @@ COMMANDS = {
         "benchmarks.kernels.gemm",
         "decode-sized GEMMs: cuBLAS, cuBLASLt, Triton skinny GEMM (+ SiLU epilogue)",
     ),
+    "nf4": (
+        "benchmarks.kernels.nf4",
+        "the 4-bit linears of a text layer: Triton NF4 GEMM vs bf16 vs bitsandbytes",
+    ),
     "launch": (
         "benchmarks.kernels.launch",
         "host cost of launching a CUDA graph against its number of kernel nodes",

@@ -124,6 +124,19 @@ def test_skinny_gemm() -> None:
     torch.testing.assert_close(got, F.linear(x.contiguous(), w), **TOL)
 
 
+def test_nf4_gemm() -> None:
+    """The 4-bit GEMM reading activations and writing outputs past 2^31 elements."""
+    from helpers.bnb_checkpoints import bnb_layer
+
+    from vllm.model_executor.layers.nf4_gemm import Nf4Config, nf4_gemm
+
+    layer, w = bnb_layer([48, 16], 256, dtype=DT)
+    x = rows_past_2_31(3, 256, seed=15)
+    out = rows_past_2_31(3, 64, seed=16)
+    nf4_gemm(x, layer.fmt.quantized_weight(layer), Nf4Config(16, 32, 128, num_stages=2), out)
+    torch.testing.assert_close(out, F.linear(x.contiguous(), w), **TOL)
+
+
 def test_argmax_rows() -> None:
     logits = rows_past_2_31(3, 5000, dtype=torch.float32, seed=14)
     assert torch.equal(argmax_rows(logits, block=2048), logits.argmax(dim=-1))

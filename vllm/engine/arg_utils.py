@@ -22,13 +22,13 @@ from vllm.config import (
 )
 from vllm.engine.cli_args import add_engine_cli_args, parse_limit_mm_per_prompt
 from vllm.logger import init_logger
+from vllm.model_executor.layers.quantization import resolve_quantization
 from vllm.transformers_utils.config import load_mllama_config
 from vllm.transformers_utils.hub import resolve_model
 
 logger = init_logger(__name__)
 
 CPU_DEFAULT_MAX_MODEL_LEN = 8192
-SUPPORTED_QUANTIZATION: tuple[str, ...] = ()
 # Options upstream vLLM has that change nothing here: a value other than the default is
 # accepted with a warning that says why.
 IGNORED_OPTIONS: dict[str, str] = {
@@ -119,9 +119,7 @@ class EngineArgs:
         return torch.device(self.device)
 
     def _check_unsupported(self) -> None:
-        if self.quantization is not None and self.quantization not in SUPPORTED_QUANTIZATION:
-            raise ValueError(f"quantization={self.quantization!r} is not supported yet; this "
-                             "engine serves bf16/fp16/fp32 weights")
+        resolve_quantization(self.quantization, "auto", None)  # the flag alone, early
         if self.tensor_parallel_size != 1:
             raise ValueError("tensor_parallel_size > 1 is not supported yet (one GPU per model)")
         if self.pipeline_parallel_size != 1:
@@ -209,6 +207,8 @@ class EngineArgs:
                                      download_dir=self.download_dir, weights=False,
                                      token=self.hf_token)
         spec = load_mllama_config(path, self.hf_overrides)
+        quantization = resolve_quantization(self.quantization, self.load_format,
+                                            spec.quantization)
         limits = parse_limit_mm_per_prompt(self.limit_mm_per_prompt)
         served = self.served_model_name
         if isinstance(served, list):
@@ -221,7 +221,7 @@ class EngineArgs:
             load_format=self.load_format, seed=self.seed if self.seed is not None else 0,
             enforce_eager=self.enforce_eager, limit_images_per_prompt=limits.get("image", 1),
             generation_config=self.generation_config, max_logprobs=self.max_logprobs,
-            quantization=self.quantization, revision=self.revision,
+            quantization=quantization, revision=self.revision,
             tokenizer=self.tokenizer or self.model,
             mm_processor_kwargs=self._mm_processor_kwargs(spec.vision.max_num_tiles),
             override_generation_config=dict(self.override_generation_config or {}))

@@ -27,7 +27,7 @@ from vllm.engine.arg_parsing import (
 __all__ = ["FlexibleArgumentParser", "normalize_flag_spelling", "add_engine_cli_args"]
 
 DTYPE_CHOICES = ("auto", "half", "float16", "bfloat16", "float", "float32")
-LOAD_FORMAT_CHOICES = ("auto", "safetensors", "dummy")
+LOAD_FORMAT_CHOICES = ("auto", "safetensors", "dummy", "bitsandbytes")
 KV_CACHE_DTYPE_CHOICES = ("auto", "fp8", "fp8_e5m2", "fp8_e4m3")
 BLOCK_SIZE_CHOICES = (8, 16, 32, 64, 128)
 
@@ -225,7 +225,8 @@ _FLAG_SPECS: dict[str, dict[str, Any]] = {
     "load_format": {
         "choices": LOAD_FORMAT_CHOICES,
         "help": "Weight format; 'dummy' "
-        "initialises random weights (for profiling without weight files).",
+        "initialises random weights (for profiling without weight files); 'bitsandbytes' "
+        "loads with --quantization bitsandbytes.",
     },
     "block_size": {"type": int, "choices": BLOCK_SIZE_CHOICES, "help": "Tokens per KV-cache page."},
     "num_gpu_blocks_override": {
@@ -240,7 +241,11 @@ _FLAG_SPECS: dict[str, dict[str, Any]] = {
         "action": argparse.BooleanOptionalAction,
         "help": "Accepted either way: Llama 3.2 Vision needs no remote code, and none is run.",
     },
-    "quantization": {"help": "Quantization method of the weights (none is supported yet)."},
+    "quantization": {
+        "help": "Quantization method of the weights: 'bitsandbytes' (4-bit NF4/FP4: a "
+        "pre-quantized checkpoint, or a bf16 one quantized at load). Read from config.json "
+        "when absent."
+    },
     "tensor_parallel_size": {
         "type": int,
         "help": "Number of tensor-parallel GPUs (1 is supported).",

@@ -106,6 +106,20 @@ class VisionSpec:
 
 
 @dataclass(frozen=True)
+class QuantSpec:
+    """A checkpoint's ``quantization_config``: the fields the engine checks before loading
+    (the per-tensor details are in the weights themselves)."""
+
+    method: str
+    load_in_4bit: bool = False
+    load_in_8bit: bool = False
+    quant_type: str | None = None
+    compute_dtype: str | None = None
+    double_quant: bool = False
+    quant_storage: str | None = None
+
+
+@dataclass(frozen=True)
 class MllamaSpec:
     """A whole ``MllamaForConditionalGeneration`` configuration."""
 
@@ -113,6 +127,7 @@ class MllamaSpec:
     vision: VisionSpec
     image_token_id: int
     torch_dtype: str | None = None
+    quantization: QuantSpec | None = None
     raw: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
 
     @property
@@ -234,6 +249,29 @@ def parse_vision_config(vision: dict[str, Any]) -> VisionSpec:
     return spec
 
 
+def parse_quantization_config(raw: dict[str, Any]) -> QuantSpec | None:
+    """The ``quantization_config`` block (``compression_config`` in some early uploads), or
+    None for an unquantized checkpoint. Whether the method is served is decided later."""
+    q = raw.get("quantization_config", raw.get("compression_config"))
+    if q is None:
+        return None
+    if not isinstance(q, dict) or not isinstance(q.get("quant_method"), str):
+        raise ConfigError("config.json: `quantization_config.quant_method` is missing")
+
+    def flag(*keys: str) -> bool:  # transformers writes both `load_in_4bit` and `_load_in_4bit`
+        return any(bool(q.get(k)) for k in keys)
+
+    return QuantSpec(
+        method=q["quant_method"].lower(),
+        load_in_4bit=flag("load_in_4bit", "_load_in_4bit"),
+        load_in_8bit=flag("load_in_8bit", "_load_in_8bit"),
+        quant_type=q.get("bnb_4bit_quant_type"),
+        compute_dtype=q.get("bnb_4bit_compute_dtype"),
+        double_quant=bool(q.get("bnb_4bit_use_double_quant", False)),
+        quant_storage=q.get("bnb_4bit_quant_storage"),
+    )
+
+
 def parse_mllama_config(raw: dict[str, Any]) -> MllamaSpec:
     """Builds an :class:`MllamaSpec` from the parsed JSON of a checkpoint's config.json."""
     archs = raw.get("architectures") or [MLLAMA_ARCHITECTURE]
@@ -252,7 +290,7 @@ def parse_mllama_config(raw: dict[str, Any]) -> MllamaSpec:
         )
     dtype = raw.get("torch_dtype") or raw.get("dtype") or text_dtype(raw)
     return MllamaSpec(text=text, vision=vision, image_token_id=image_token_id,
-                      torch_dtype=dtype, raw=raw)
+                      torch_dtype=dtype, quantization=parse_quantization_config(raw), raw=raw)
 
 
 def text_dtype(raw: dict[str, Any]) -> str | None:

@@ -51,6 +51,7 @@ def load_model(config: VllmConfig) -> LoadedModel:
         device,
         max_position=mc.max_model_len,
         seed=mc.seed,
+        quantization=mc.quantization,
     )
     backend = get_attn_backend(device)
     for module in model.modules():

@@ -16,7 +16,7 @@ import torch
 from vllm.config import VllmConfig
 from vllm.forward_context import set_forward_context
 from vllm.logger import init_logger
-from vllm.model_executor.model_loader.loader import build_model
+from vllm.model_executor.model_loader.loader import build_model, plan_quantization
 from vllm.model_executor.models.mllama import MllamaForConditionalGeneration
 from vllm.multimodal.cross_attention import image_runs, last_group
 from vllm.multimodal.processing import ImageInputs, ProcessedInputs
@@ -100,10 +100,11 @@ def profile_prefill_peak(cfg: VllmConfig, loaded: LoadedModel) -> int:
 
 
 def weight_bytes(config: VllmConfig) -> int:
-    """Bytes of the model's parameters and buffers in its dtype (built on the meta device:
-    nothing is allocated)."""
+    """Bytes of the model's parameters and buffers in its dtype, quantized layers as they are
+    stored (built on the meta device: nothing is allocated)."""
     mc = config.model_config
-    model = build_model(mc.spec, mc.dtype, torch.device("meta"), mc.max_model_len)
+    plan = plan_quantization(mc.model_path, mc.load_format, mc.quantization)
+    model = build_model(mc.spec, mc.dtype, torch.device("meta"), mc.max_model_len, plan.config)
     tensors = [*model.parameters(), *model.buffers()]
     return sum(t.numel() * t.element_size() for t in tensors)
 
@@ -133,7 +134,8 @@ def check_device_memory(config: VllmConfig, total_bytes: int) -> None:
             f"The weights alone need {weights / GiB:.1f} GiB in {dtype}, more than the "
             f"{budget / GiB:.1f} GiB that --gpu-memory-utilization {util} allows on this GPU "
             f"({total_bytes / GiB:.1f} GiB): this model does not fit on one GPU in {dtype} "
-            "(quantized weights and tensor parallelism are not supported yet).")
+            "(4-bit weights with --quantization bitsandbytes need about a quarter of that; "
+            "tensor parallelism is not supported yet).")
     activations = prefill_activation_estimate(config)
     if weights + activations > budget:
         raise ValueError(

@@ -187,12 +187,13 @@ class ModelRunner:
         linears: dict[tuple, Linear] = {}
         for m in self.model.language_model.model.layers.modules():
             if isinstance(m, Linear):
-                linears.setdefault((tuple(m.weight.shape), m.weight.dtype), m)
+                key = (m.out_features, m.in_features, m.compute_dtype, m.fmt.name)
+                linears.setdefault(key, m)
         if not linears:
             return 0
         rows = prefill_row_buckets(self.config.scheduler_config.max_num_batched_tokens)
         widest = max(m.in_features for m in linears.values())
-        dtype = next(iter(linears.values())).weight.dtype
+        dtype = next(iter(linears.values())).compute_dtype
         flat = torch.zeros(rows[-1] * widest, dtype=dtype, device=self.device)
         for m in linears.values():
             for r in rows:

@@ -26,7 +26,7 @@ class VisionGraphRunner:
         v = model.spec.vision
         self.model = model
         self.max_tiles = v.max_num_tiles
-        dtype = model.multi_modal_projector.weight.dtype
+        dtype = model.dtype
         self.pixels = torch.zeros(1, v.max_num_tiles, v.num_channels, v.image_size,
                                   v.image_size, dtype=dtype, device=device)
         self.aspect_ratio = torch.ones(1, dtype=torch.int64, device=device)

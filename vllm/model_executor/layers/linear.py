@@ -1,7 +1,8 @@
 """Linear layers: a storage format that owns the parameters, and a kernel table chosen at load.
 
-A :class:`LinearFormat` decides how a layer's weight is stored (today: unquantized, in the
-model dtype; quantized formats plug in here), registers the parameters with their checkpoint
+A :class:`LinearFormat` decides how a layer's weight is stored (unquantized in the model dtype
+here; bitsandbytes 4-bit in ``quantization/bitsandbytes.py``, chosen per layer by a
+``QuantizationConfig`` when the model is built), registers the parameters with their checkpoint
 loaders, and builds the layer's kernel table for a :class:`KernelTarget`: one kernel per decode
 row bucket, then one for any row count (see ``kernel_target.py``). ``Linear.forward`` only
 indexes that table with the step's bucket.
@@ -39,10 +40,19 @@ def default_weight_loader(
     param: torch.Tensor, loaded: torch.Tensor, shard_id: object = None
 ) -> None:
     """Copies ``loaded`` into ``param`` after checking the shape (dtype is converted)."""
+    _check_plain(loaded)
     if param.shape != loaded.shape:
         raise WeightShapeError(f"expected shape {tuple(param.shape)}, got {tuple(loaded.shape)}")
     with torch.no_grad():
         param.copy_(loaded)
+
+
+def _check_plain(loaded: object) -> None:
+    if not isinstance(loaded, torch.Tensor):
+        raise WeightShapeError(
+            f"expected a plain tensor, got {type(loaded).__name__} (a quantized matrix for a "
+            "parameter that is not stored quantized)"
+        )
 
 
 class LinearFormat(ABC):
@@ -62,6 +72,14 @@ class LinearFormat(ABC):
         """For a gate|up layer: a kernel with the SiLU-and-multiply in its epilogue per row
         bucket (None where the GEMM and a separate activation are used); same indexing."""
         return [None] * (len(target.row_buckets) + 1)
+
+    def torch_kernel(self, layer: Linear) -> LinearKernel:
+        """The kernel a layer runs before ``select_kernels`` (plain torch, any device)."""
+        return _torch_linear(layer)
+
+    def compute_dtype(self, layer: Linear) -> torch.dtype:
+        """The dtype of the layer's inputs and outputs."""
+        return layer.weight.dtype
 
 
 def _torch_linear(layer: Linear) -> LinearKernel:
@@ -167,8 +185,13 @@ class Linear(nn.Module):
         self.bias: nn.Parameter | None
         self.fmt.create_weights(self)
         # Torch kernels until ``select_kernels`` runs (one entry serves every bucket index).
-        self._kernels: list[LinearKernel] = [_torch_linear(self)]
+        self._kernels: list[LinearKernel] = [self.fmt.torch_kernel(self)]
         self._silu_kernels: list[SiluKernel | None] = [None]
+
+    @property
+    def compute_dtype(self) -> torch.dtype:
+        """The dtype of the layer's inputs and outputs (a quantized weight's storage differs)."""
+        return self.fmt.compute_dtype(self)
 
     def select_kernels(self, target: KernelTarget) -> None:
         self._kernels = self.fmt.build_kernels(self, target)
@@ -195,6 +218,7 @@ class Linear(nn.Module):
         if shard_id not in self.shards:
             raise WeightShapeError(f"unknown shard {shard_id!r}")
         start, size = self.shards[shard_id]  # type: ignore[index]
+        _check_plain(loaded)
         expected = (size, self.in_features)
         if tuple(loaded.shape) != expected:
             raise WeightShapeError(f"expected shape {expected}, got {tuple(loaded.shape)}")

@@ -1,7 +1,9 @@
 """Builds the model on its device and fills it from safetensors shards or with dummy weights.
 
 Shards stream one tensor at a time (read to host, copied into its final, possibly fused,
-parameter), so loading never holds a second copy of the model.
+parameter), so loading never holds a second copy of the model. With bitsandbytes quantization
+(``bitsandbytes_loader.py``) a pre-quantized checkpoint's matrices load as they are stored, and
+a bf16 checkpoint's are quantized one tensor at a time as they stream.
 """
 
 from __future__ import annotations
@@ -16,6 +18,15 @@ import torch
 from torch import nn
 
 from vllm.logger import init_logger
+from vllm.model_executor.layers.quantization import QuantizationConfig
+from vllm.model_executor.model_loader.bitsandbytes_loader import (
+    QuantPlan,
+    check_claimed,
+    group_quantized,
+    initialize_dummy_4bit,
+    quantization_plan,
+    weight_memory,
+)
 from vllm.model_executor.models.mllama import MllamaForConditionalGeneration
 from vllm.model_executor.models.mllama_weights import WeightLoadError, load_weights
 from vllm.transformers_utils.config import MllamaSpec
@@ -23,7 +34,8 @@ from vllm.transformers_utils.config import MllamaSpec
 logger = init_logger(__name__)
 
 INDEX_FILE = "model.safetensors.index.json"
-LOAD_FORMATS = ("auto", "safetensors", "dummy")
+LOAD_FORMATS = ("auto", "safetensors", "dummy", "bitsandbytes")
+GiB = 1 << 30
 
 
 def safetensors_files(model_dir: Path) -> list[Path]:
@@ -77,6 +89,8 @@ def initialize_dummy_weights(model: nn.Module, seed: int = 0) -> None:
     gates (so images influence the text), deterministic for a seed on a given device."""
     gen = torch.Generator(device="cpu").manual_seed(seed)
     for name, p in model.named_parameters():
+        if not p.is_floating_point():  # 4-bit weights: ``initialize_dummy_4bit``
+            continue
         last = name.rsplit(".", 1)[-1]
         if last.endswith("gate") or last in ("gate_attn", "gate_ffn"):
             values = torch.rand(p.shape, generator=gen) * 1.5 + 0.25
@@ -96,34 +110,71 @@ def initialize_dummy_weights(model: nn.Module, seed: int = 0) -> None:
 
 
 def build_model(spec: MllamaSpec, dtype: torch.dtype, device: torch.device,
-                max_position: int) -> MllamaForConditionalGeneration:
+                max_position: int, quant_config: QuantizationConfig | None = None
+                ) -> MllamaForConditionalGeneration:
     """The model's modules, allocated directly on ``device`` in ``dtype`` (the meta device
     allocates nothing), weights not loaded."""
     old_dtype = torch.get_default_dtype()
     torch.set_default_dtype(dtype)
     try:
         with torch.device(device):
-            model = MllamaForConditionalGeneration(spec, max_position=max_position)
+            model = MllamaForConditionalGeneration(spec, max_position=max_position,
+                                                   quant_config=quant_config)
     finally:
         torch.set_default_dtype(old_dtype)
     return model.eval()
 
 
+def plan_quantization(model_dir: Path | None, load_format: str,
+                      quantization: str | None) -> QuantPlan:
+    """The layers' quantization for a load (reads only the checkpoint's quant states)."""
+    if quantization is None or load_format == "dummy":
+        return quantization_plan(None, quantization)
+    assert model_dir is not None
+    return quantization_plan(safetensors_files(model_dir), quantization)
+
+
 def get_model(spec: MllamaSpec, model_dir: Path | None, load_format: str, dtype: torch.dtype,
-              device: torch.device, max_position: int, seed: int = 0
-              ) -> MllamaForConditionalGeneration:
-    """Constructs the model directly on ``device`` in ``dtype`` and loads its weights."""
+              device: torch.device, max_position: int, seed: int = 0,
+              quantization: str | None = None) -> MllamaForConditionalGeneration:
+    """Constructs the model directly on ``device`` in ``dtype`` and loads its weights.
+    ``quantization``: None or ``bitsandbytes`` (resolved from the flags and config.json)."""
     if load_format not in LOAD_FORMATS:
         raise ValueError(f"load_format must be one of {LOAD_FORMATS}, got {load_format!r}")
-    model = build_model(spec, dtype, device, max_position)
+    if load_format == "bitsandbytes" and quantization != "bitsandbytes":
+        raise ValueError("load_format='bitsandbytes' needs quantization='bitsandbytes'")
+    plan = plan_quantization(model_dir, load_format, quantization)
+    model = build_model(spec, dtype, device, max_position, plan.config)
+    if plan.config is not None:
+        check_claimed(plan.config)
     if load_format == "dummy":
         initialize_dummy_weights(model, seed)
+        initialize_dummy_4bit(model, seed)
         logger.info("Initialised dummy weights (seed %d)", seed)
     else:
         assert model_dir is not None
         files = safetensors_files(model_dir)
+        weights = iterate_safetensors(files)
         with torch.no_grad():
-            load_weights(model, iterate_safetensors(files), source=str(model_dir))
+            load_weights(model, group_quantized(weights, plan.states) if plan.states else weights,
+                         source=str(model_dir))
         logger.info("Loaded %d safetensors file(s) from %s", len(files), model_dir)
     model.post_load()
+    _log_weight_memory(model, plan, dtype)
     return model
+
+
+def _size(nbytes: int) -> str:
+    return f"{nbytes / GiB:.2f} GiB" if nbytes >= GiB // 4 else f"{nbytes / (1 << 20):.2f} MiB"
+
+
+def _log_weight_memory(model: nn.Module, plan: QuantPlan, dtype: torch.dtype) -> None:
+    """The weights' memory as stored (4-bit layers with their block scales)."""
+    quantized, layers, rest = weight_memory(model)
+    name = str(dtype).removeprefix("torch.")
+    if plan.config is None:
+        logger.info("Model weights: %s in %s", _size(rest), name)
+        return
+    logger.info("Model weights: %s (%s: %s in %d linear layers, block scales included; %s "
+                "in %s)", _size(quantized + rest), plan.config.describe(), _size(quantized),
+                layers, _size(rest), name)

@@ -18,17 +18,22 @@ from vllm.forward_context import get_attention_metadata
 from vllm.model_executor.layers.activation import SiluAndMul
 from vllm.model_executor.layers.layernorm import MaskedGate, RMSNorm
 from vllm.model_executor.layers.linear import Linear, MergedLinear
+from vllm.model_executor.layers.quantization import QuantizationConfig, join, layer_format
 from vllm.model_executor.layers.rotary_embedding import RotaryEmbedding
 from vllm.model_executor.models.mllama_vision import MllamaVisionModel
 from vllm.transformers_utils.config import MllamaSpec, TextSpec
 
 
 class LlamaMLP(nn.Module):
-    def __init__(self, spec: TextSpec) -> None:
+    def __init__(self, spec: TextSpec, quant: QuantizationConfig | None = None,
+                 prefix: str = "") -> None:
         super().__init__()
         i = spec.intermediate_size
-        self.gate_up_proj = MergedLinear(spec.hidden_size, [i, i], ["gate", "up"])
-        self.down_proj = Linear(i, spec.hidden_size)
+        gate_up = join(prefix, "gate_up_proj")
+        self.gate_up_proj = MergedLinear(spec.hidden_size, [i, i], ["gate", "up"],
+                                         fmt=layer_format(quant, gate_up, ("gate", "up")))
+        self.down_proj = Linear(i, spec.hidden_size,
+                                fmt=layer_format(quant, join(prefix, "down_proj")))
         self.act = SiluAndMul()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -39,12 +44,15 @@ class LlamaMLP(nn.Module):
 
 
 class LlamaSelfAttention(nn.Module):
-    def __init__(self, spec: TextSpec, rotary: RotaryEmbedding) -> None:
+    def __init__(self, spec: TextSpec, rotary: RotaryEmbedding,
+                 quant: QuantizationConfig | None = None, prefix: str = "") -> None:
         super().__init__()
         hq, hkv, d = spec.num_attention_heads, spec.num_key_value_heads, spec.head_dim
+        qkv = join(prefix, "qkv_proj")
         self.qkv_proj = MergedLinear(spec.hidden_size, [hq * d, hkv * d, hkv * d],
-                                     ["q", "k", "v"])
-        self.o_proj = Linear(hq * d, spec.hidden_size)
+                                     ["q", "k", "v"], fmt=layer_format(quant, qkv, ("q", "k", "v")))
+        self.o_proj = Linear(hq * d, spec.hidden_size,
+                             fmt=layer_format(quant, join(prefix, "o_proj")))
         self.attn = Attention(hq, hkv, d)
         self.rotary = [rotary]  # shared; kept out of the module tree
 
@@ -61,10 +69,11 @@ class LlamaDecoderLayer(nn.Module):
     performs that add (fused on CUDA) before normalising.
     """
 
-    def __init__(self, spec: TextSpec, rotary: RotaryEmbedding) -> None:
+    def __init__(self, spec: TextSpec, rotary: RotaryEmbedding,
+                 quant: QuantizationConfig | None = None, prefix: str = "") -> None:
         super().__init__()
-        self.self_attn = LlamaSelfAttention(spec, rotary)
-        self.mlp = LlamaMLP(spec)
+        self.self_attn = LlamaSelfAttention(spec, rotary, quant, join(prefix, "self_attn"))
+        self.mlp = LlamaMLP(spec, quant, join(prefix, "mlp"))
         self.input_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
 
@@ -82,13 +91,17 @@ class LlamaDecoderLayer(nn.Module):
 class MllamaCrossAttention(nn.Module):
     """Text queries attend to vision keys; q and k get per-head RMS norms, no RoPE."""
 
-    def __init__(self, spec: TextSpec) -> None:
+    def __init__(self, spec: TextSpec, quant: QuantizationConfig | None = None,
+                 prefix: str = "") -> None:
         super().__init__()
         hq, hkv, d = spec.num_attention_heads, spec.num_key_value_heads, spec.head_dim
         self.num_heads, self.num_kv_heads, self.head_dim = hq, hkv, d
-        self.q_proj = Linear(spec.hidden_size, hq * d)
-        self.kv_proj = MergedLinear(spec.hidden_size, [hkv * d, hkv * d], ["k", "v"])
-        self.o_proj = Linear(hq * d, spec.hidden_size)
+        self.q_proj = Linear(spec.hidden_size, hq * d,
+                             fmt=layer_format(quant, join(prefix, "q_proj")))
+        self.kv_proj = MergedLinear(spec.hidden_size, [hkv * d, hkv * d], ["k", "v"],
+                                    fmt=layer_format(quant, join(prefix, "kv_proj"), ("k", "v")))
+        self.o_proj = Linear(hq * d, spec.hidden_size,
+                             fmt=layer_format(quant, join(prefix, "o_proj")))
         self.q_norm = RMSNorm(d, spec.rms_norm_eps)
         self.k_norm = RMSNorm(d, spec.rms_norm_eps)
         self.attn = CrossAttention(hq, hkv, d)
@@ -106,12 +119,13 @@ class MllamaCrossAttention(nn.Module):
 class MllamaCrossAttentionDecoderLayer(nn.Module):
     """Gated cross-attention block; rows that see no image get neither branch."""
 
-    def __init__(self, spec: TextSpec) -> None:
+    def __init__(self, spec: TextSpec, quant: QuantizationConfig | None = None,
+                 prefix: str = "") -> None:
         super().__init__()
-        self.cross_attn = MllamaCrossAttention(spec)
+        self.cross_attn = MllamaCrossAttention(spec, quant, join(prefix, "cross_attn"))
         self.input_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
         self.cross_attn_attn_gate = nn.Parameter(torch.zeros(1), requires_grad=False)
-        self.mlp = LlamaMLP(spec)
+        self.mlp = LlamaMLP(spec, quant, join(prefix, "mlp"))
         self.post_attention_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
         self.cross_attn_mlp_gate = nn.Parameter(torch.zeros(1), requires_grad=False)
         # tanh of the gates, refreshed after loading (two fewer launches per layer and step).
@@ -139,7 +153,8 @@ class MllamaCrossAttentionDecoderLayer(nn.Module):
 
 
 class MllamaTextModel(nn.Module):
-    def __init__(self, spec: TextSpec, max_position: int) -> None:
+    def __init__(self, spec: TextSpec, max_position: int,
+                 quant: QuantizationConfig | None = None, prefix: str = "") -> None:
         super().__init__()
         self.spec = spec
         self.embed_tokens = nn.Embedding(spec.num_embeddings, spec.hidden_size)
@@ -147,8 +162,9 @@ class MllamaTextModel(nn.Module):
         self.rotary = RotaryEmbedding(spec.head_dim, max_position, spec.rope)
         cross = set(spec.cross_attention_layers)
         self.layers = nn.ModuleList(
-            MllamaCrossAttentionDecoderLayer(spec) if i in cross
-            else LlamaDecoderLayer(spec, self.rotary)
+            MllamaCrossAttentionDecoderLayer(spec, quant, join(prefix, f"layers.{i}"))
+            if i in cross
+            else LlamaDecoderLayer(spec, self.rotary, quant, join(prefix, f"layers.{i}"))
             for i in range(spec.num_hidden_layers))
         self.norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
 
@@ -203,24 +219,38 @@ class TextProgress:
 
 
 class MllamaForCausalLM(nn.Module):
-    def __init__(self, spec: TextSpec, max_position: int) -> None:
+    def __init__(self, spec: TextSpec, max_position: int,
+                 quant: QuantizationConfig | None = None, prefix: str = "") -> None:
         super().__init__()
-        self.model = MllamaTextModel(spec, max_position)
-        self.lm_head = Linear(spec.hidden_size, spec.vocab_size)
+        self.model = MllamaTextModel(spec, max_position, quant, join(prefix, "model"))
+        self.lm_head = Linear(spec.hidden_size, spec.vocab_size,
+                              fmt=layer_format(quant, join(prefix, "lm_head")))
 
 
 class MllamaForConditionalGeneration(nn.Module):
     """The whole model. Parameter names follow the hub checkpoint except the fused projections
-    (``qkv_proj``, ``gate_up_proj``, cross ``kv_proj``); see ``mllama_weights.py``."""
+    (``qkv_proj``, ``gate_up_proj``, cross ``kv_proj``); see ``mllama_weights.py``.
 
-    def __init__(self, spec: MllamaSpec, max_position: int | None = None) -> None:
+    ``quant_config`` chooses each linear layer's storage format by its parameter prefix (None:
+    every layer unquantized)."""
+
+    def __init__(self, spec: MllamaSpec, max_position: int | None = None,
+                 quant_config: QuantizationConfig | None = None) -> None:
         super().__init__()
         self.spec = spec
+        self.quant_config = quant_config
         max_position = max_position or spec.text.max_position_embeddings
-        self.vision_model = MllamaVisionModel(spec.vision)
-        self.multi_modal_projector = Linear(spec.vision.vision_output_dim, spec.text.hidden_size,
-                                            bias=True)
-        self.language_model = MllamaForCausalLM(spec.text, max_position)
+        self.vision_model = MllamaVisionModel(spec.vision, quant_config, "vision_model")
+        self.multi_modal_projector = Linear(
+            spec.vision.vision_output_dim, spec.text.hidden_size, bias=True,
+            fmt=layer_format(quant_config, "multi_modal_projector"))
+        self.language_model = MllamaForCausalLM(spec.text, max_position, quant_config,
+                                                "language_model")
+
+    @property
+    def dtype(self) -> torch.dtype:
+        """The activation dtype (the embedding table's: embeddings are never quantized)."""
+        return self.language_model.model.embed_tokens.weight.dtype
 
     def encode_images(self, pixel_values: torch.Tensor, aspect_ratio_ids: torch.Tensor,
                       num_tiles: list[int]) -> torch.Tensor:

@@ -21,6 +21,7 @@ from torch import nn
 from vllm.attention.ops.vision_attention import padding_rows_ranges, vision_attention
 from vllm.model_executor.layers.kernel_target import KernelTarget
 from vllm.model_executor.layers.linear import Linear, MergedLinear
+from vllm.model_executor.layers.quantization import QuantizationConfig, join, layer_format
 from vllm.transformers_utils.config import VisionSpec
 from vllm.utils import to_device
 
@@ -28,13 +29,16 @@ from vllm.utils import to_device
 class VisionAttention(nn.Module):
     """Bidirectional attention over one image's tokens with the valid-first padding rule."""
 
-    def __init__(self, spec: VisionSpec) -> None:
+    def __init__(self, spec: VisionSpec, quant: QuantizationConfig | None = None,
+                 prefix: str = "") -> None:
         super().__init__()
         self.num_heads = spec.attention_heads
         self.head_dim = spec.head_dim
         d = spec.hidden_size
-        self.qkv_proj = MergedLinear(d, [d, d, d], ["q", "k", "v"])
-        self.o_proj = Linear(d, d)
+        self.qkv_proj = MergedLinear(d, [d, d, d], ["q", "k", "v"],
+                                     fmt=layer_format(quant, join(prefix, "qkv_proj"),
+                                                      ("q", "k", "v")))
+        self.o_proj = Linear(d, d, fmt=layer_format(quant, join(prefix, "o_proj")))
 
     def forward(self, x: torch.Tensor, num_valid: int,
                 pad_ranges: torch.Tensor | None = None) -> torch.Tensor:
@@ -49,10 +53,13 @@ class VisionAttention(nn.Module):
 
 
 class VisionMLP(nn.Module):
-    def __init__(self, spec: VisionSpec) -> None:
+    def __init__(self, spec: VisionSpec, quant: QuantizationConfig | None = None,
+                 prefix: str = "") -> None:
         super().__init__()
-        self.fc1 = Linear(spec.hidden_size, spec.intermediate_size, bias=True)
-        self.fc2 = Linear(spec.intermediate_size, spec.hidden_size, bias=True)
+        self.fc1 = Linear(spec.hidden_size, spec.intermediate_size, bias=True,
+                          fmt=layer_format(quant, join(prefix, "fc1")))
+        self.fc2 = Linear(spec.intermediate_size, spec.hidden_size, bias=True,
+                          fmt=layer_format(quant, join(prefix, "fc2")))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.fc2(F.gelu(self.fc1(x)))
@@ -61,10 +68,11 @@ class VisionMLP(nn.Module):
 class VisionEncoderLayer(nn.Module):
     """Pre-norm transformer layer; the global layers scale both branches by tanh gates."""
 
-    def __init__(self, spec: VisionSpec, gated: bool) -> None:
+    def __init__(self, spec: VisionSpec, gated: bool, quant: QuantizationConfig | None = None,
+                 prefix: str = "") -> None:
         super().__init__()
-        self.self_attn = VisionAttention(spec)
-        self.mlp = VisionMLP(spec)
+        self.self_attn = VisionAttention(spec, quant, join(prefix, "self_attn"))
+        self.mlp = VisionMLP(spec, quant, join(prefix, "mlp"))
         self.input_layernorm = nn.LayerNorm(spec.hidden_size, eps=spec.norm_eps)
         self.post_attention_layernorm = nn.LayerNorm(spec.hidden_size, eps=spec.norm_eps)
         self.gated = gated
@@ -116,9 +124,12 @@ def _apply(x: torch.Tensor, delta: torch.Tensor | None,
 
 
 class VisionEncoder(nn.Module):
-    def __init__(self, spec: VisionSpec, num_layers: int, gated: bool) -> None:
+    def __init__(self, spec: VisionSpec, num_layers: int, gated: bool,
+                 quant: QuantizationConfig | None = None, prefix: str = "") -> None:
         super().__init__()
-        self.layers = nn.ModuleList(VisionEncoderLayer(spec, gated) for _ in range(num_layers))
+        self.layers = nn.ModuleList(
+            VisionEncoderLayer(spec, gated, quant, join(prefix, f"layers.{i}"))
+            for i in range(num_layers))
 
 
 class AspectRatioEmbedding(nn.Module):
@@ -201,7 +212,8 @@ def _patchify(images: torch.Tensor, p: int) -> torch.Tensor:
 class MllamaVisionModel(nn.Module):
     """Pixels of tiled images -> per-token features ``[num_valid_tokens, vision_output_dim]``."""
 
-    def __init__(self, spec: VisionSpec) -> None:
+    def __init__(self, spec: VisionSpec, quant: QuantizationConfig | None = None,
+                 prefix: str = "") -> None:
         super().__init__()
         self.spec = spec
         d = spec.hidden_size
@@ -214,8 +226,10 @@ class MllamaVisionModel(nn.Module):
         self.post_tile_positional_embedding = AspectRatioEmbedding(spec)
         self.layernorm_pre = nn.LayerNorm(d)
         self.layernorm_post = nn.LayerNorm(d)
-        self.transformer = VisionEncoder(spec, spec.num_hidden_layers, gated=False)
-        self.global_transformer = VisionEncoder(spec, spec.num_global_layers, gated=True)
+        self.transformer = VisionEncoder(spec, spec.num_hidden_layers, False, quant,
+                                         join(prefix, "transformer"))
+        self.global_transformer = VisionEncoder(spec, spec.num_global_layers, True, quant,
+                                                join(prefix, "global_transformer"))
         self._embed_norm: Callable[..., torch.Tensor] | None = None  # vision_embed_norm
         # Padding rows of images at the maximum tile count go through the split ranged kernel
         # (``vision_attention.py``) with fused kernels; SDPA otherwise.

@@ -55,6 +55,13 @@ def to_param_name(hub_name: str) -> tuple[str, str | None]:
     return hub_name, None
 
 
+def linear_entry(name: str) -> tuple[str, str | None]:
+    """A checkpoint weight's name (either layout, ``...q_proj.weight``) -> (the prefix of the
+    linear layer holding it, its shard id): ``(...self_attn.qkv_proj, "q")``."""
+    param, shard = to_param_name(to_hub_name(name))
+    return param.removesuffix(".weight"), shard
+
+
 def expected_checkpoint_entries(model: nn.Module) -> set[tuple[str, str | None]]:
     """Every (parameter, shard) pair a complete checkpoint must provide."""
     fused_owner = {}

@@ -199,11 +199,12 @@ def engine_info(llm: Any) -> dict[str, Any]:
 
 def decode_weight_bytes(llm: Any) -> int:
     """Bytes of weights one decode step reads: the language model without its embedding table
-    (only the batch's rows of that are gathered). A lower bound on bytes moved per step."""
+    (only the batch's rows of that are gathered), as stored (4-bit layers with their block
+    scales, which are persistent buffers). A lower bound on bytes moved per step."""
     lm = llm.llm_engine.runner.model.language_model
     return sum(
-        p.numel() * p.element_size()
-        for name, p in lm.named_parameters()
+        t.numel() * t.element_size()
+        for name, t in lm.state_dict().items()
         if "embed_tokens" not in name
     )
 

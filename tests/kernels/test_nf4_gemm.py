@@ -1,0 +1,152 @@
+"""The 4-bit Triton kernels against bitsandbytes (Triton's interpreter on CPU, compiled on CUDA).
+
+Weights are quantized by ``bitsandbytes.functional.quantize_4bit`` and loaded into a 4-bit
+layer through its checkpoint loader; the dequantized tile must equal ``dequantize_4bit``
+bitwise, and the GEMM ``x @ dequantize_4bit(W)^T`` to float32-accumulation rounding.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from helpers.bnb_checkpoints import DEVICE, bnb_layer
+
+from vllm.forward_context import set_forward_context
+from vllm.model_executor.layers import nf4_gemm
+from vllm.model_executor.layers.fused_kernels import silu_and_mul
+from vllm.model_executor.layers.kernel_target import KernelTarget
+from vllm.model_executor.layers.nf4_gemm import Nf4Config
+from vllm.model_executor.layers.quantization.bitsandbytes import Bnb4bitFormat
+
+_BITS = {torch.bfloat16: torch.int16, torch.float16: torch.int16, torch.float32: torch.int32}
+
+
+def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.dtype == b.dtype and torch.equal(a.view(_BITS[a.dtype]), b.view(_BITS[b.dtype]))
+
+
+CASES = [
+    # q|k|v shards whose second-level scale groups straddle the shard boundaries.
+    ([80, 48, 48], 512, "nf4", 64, True, torch.bfloat16),
+    ([64], 256, "fp4", 64, False, torch.float16),
+    ([40], 512, "nf4", 256, True, torch.float32),  # a block wider than the tile
+    ([48, 48], 128, "fp4", 32, True, torch.bfloat16),
+    ([96], 384, "nf4", 128, False, torch.bfloat16),
+]
+
+
+@pytest.mark.parametrize(("shards", "k", "qt", "bs", "nested", "dtype"), CASES)
+def test_dequantized_tile_is_bitwise_dequantize_4bit(shards, k, qt, bs, nested, dtype) -> None:
+    layer, ref = bnb_layer(shards, k, qt, bs, nested, dtype)
+    fmt = layer.fmt
+    assert isinstance(fmt, Bnb4bitFormat)
+    out = torch.full_like(ref, float("nan"))
+    nf4_gemm.dequantize(fmt.quantized_weight(layer), out)
+    assert same_bits(out, ref)
+    assert same_bits(fmt.dequantize(layer, dtype), ref)  # the torch path, the same values
+
+
+@pytest.mark.parametrize("m", [1, 3, 16, 21])
+@pytest.mark.parametrize(
+    "cfg", [Nf4Config(16, 32, 128, num_stages=2), Nf4Config(32, 64, 64, num_stages=2)]
+)
+def test_gemm_matches_dequantize_and_matmul(m: int, cfg: Nf4Config) -> None:
+    """Rows below, at and above the row block; N (176) not a multiple of the column block."""
+    layer, ref = bnb_layer([80, 48, 48], 256, seed=m)
+    x = torch.randn(m, 256, generator=torch.Generator().manual_seed(m)).to(DEVICE, torch.bfloat16)
+    y = nf4_gemm.nf4_gemm(x, layer.fmt.quantized_weight(layer), cfg)
+    expected = x.float() @ ref.float().T
+    assert y.dtype == torch.bfloat16 and y.shape == (m, 176)
+    # Exact products, float32 sums in another order, then one bf16 rounding (2 ulps).
+    torch.testing.assert_close(y.float(), expected, rtol=2**-7, atol=1e-3)
+
+
+def test_fp16_gemm_and_float32_out() -> None:
+    """fp16 activations; an fp32 ``out`` gets the kernel's rounded result widened."""
+    layer, ref = bnb_layer([96], 384, "fp4", 128, False, torch.float16)
+    qw = layer.fmt.quantized_weight(layer)
+    x = torch.randn(5, 384).to(DEVICE, torch.float16)
+    cfg = Nf4Config(16, 32, 128, num_stages=2)
+    out = torch.full((5, 96), float("nan"), device=DEVICE)
+    nf4_gemm.nf4_gemm(x, qw, cfg, out=out)
+    assert torch.equal(out, nf4_gemm.nf4_gemm(x, qw, cfg).float())
+    torch.testing.assert_close(out, x.float() @ ref.float().T, rtol=2**-9, atol=1e-3)
+
+
+@pytest.mark.parametrize("m", [1, 17])
+def test_silu_epilogue_equals_gemm_then_silu_and_mul(m: int) -> None:
+    """gate|up with SiLU-and-multiply in the epilogue: bitwise the GEMM (same config) then
+    ``silu_and_mul``; close to the torch reference."""
+    layer, ref = bnb_layer([80, 80], 256, seed=m + 3)
+    qw = layer.fmt.quantized_weight(layer)
+    x = torch.randn(m, 256).to(DEVICE, torch.bfloat16)
+    cfg = Nf4Config(16, 32, 128, num_stages=2)
+    y = nf4_gemm.nf4_gemm_silu(x, qw, cfg)
+    assert y.shape == (m, 80) and torch.equal(y, silu_and_mul(nf4_gemm.nf4_gemm(x, qw, cfg)))
+    w = ref.to(torch.bfloat16)
+    expected = F.silu(F.linear(x, w[:80]).float()) * F.linear(x, w[80:]).float()
+    torch.testing.assert_close(y.float(), expected, rtol=2**-5, atol=2**-7)
+
+
+def _kinds(table: list) -> list[str]:
+    names = {
+        "linear_kernel": "nf4",
+        "silu_kernel": "nf4",
+        "_scratch_kernel": "scratch",
+        "torch_kernel": "torch",
+    }
+    return ["none" if k is None else names[k.__qualname__.split(".")[-3]] for k in table]
+
+
+BUCKETS = (1, 8, 24)
+
+
+def test_kernel_tables_and_their_results() -> None:
+    """Decode buckets run the 4-bit GEMM, any other row count dequantizes into the shared
+    scratch and runs F.linear (bitwise the torch path); biased layers (the vision tower's, the
+    projector: they see prefill-sized inputs only) take the scratch path everywhere; float32
+    layers the GEMM with exact float32 products; torch targets the torch path. gate|up gets
+    the SiLU epilogue per bucket."""
+    layer, _ = bnb_layer([80, 80], 256)
+    fused = KernelTarget(torch.device(DEVICE), fused=True, row_buckets=BUCKETS)
+    layer.select_kernels(fused)
+    assert _kinds(layer._kernels) == ["nf4"] * 3 + ["scratch"]
+    assert _kinds(layer._silu_kernels) == ["nf4"] * 3 + ["none"]
+    torch_path = layer.fmt.torch_kernel(layer)
+    for bucket, rows in enumerate(BUCKETS):
+        x = torch.randn(rows, 256).to(DEVICE, torch.bfloat16)
+        with set_forward_context(None, row_bucket=bucket):
+            torch.testing.assert_close(layer(x), torch_path(x, None), rtol=2**-7, atol=1e-3)
+    x = torch.randn(2, 7, 256).to(DEVICE, torch.bfloat16)  # vision-shaped input
+    assert torch.equal(layer(x), torch_path(x, None))
+    layer.select_kernels(KernelTarget(torch.device(DEVICE), fused=False, row_buckets=BUCKETS))
+    assert _kinds(layer._kernels) == ["torch"] * 4
+    biased, _ = bnb_layer([64], 128, bias=True)
+    biased.select_kernels(fused)
+    assert _kinds(biased._kernels) == ["scratch"] * 4
+    x = torch.randn(3, 128).to(DEVICE, torch.bfloat16)
+    with set_forward_context(None, row_bucket=0):
+        assert torch.equal(biased(x), biased.fmt.torch_kernel(biased)(x, None))
+    fp32, _ = bnb_layer([64], 128, dtype=torch.float32)
+    fp32.select_kernels(fused)
+    assert _kinds(fp32._kernels) == ["nf4"] * 3 + ["scratch"]
+    x = torch.randn(8, 128, device=DEVICE)
+    with set_forward_context(None, row_bucket=1):
+        torch.testing.assert_close(fp32(x), fp32.fmt.torch_kernel(fp32)(x, None))
+
+
+@pytest.mark.gpu
+def test_graph_replay_equals_eager() -> None:
+    """Same bucket, same kernel: a captured 4-bit GEMM replays bitwise what eager computes."""
+    layer, _ = bnb_layer([4096, 1024, 1024], 4096)
+    layer.select_kernels(KernelTarget(torch.device("cuda"), fused=True, row_buckets=(1, 16)))
+    for bucket, rows in enumerate((1, 16)):
+        x = torch.randn(rows, 4096, device="cuda", dtype=torch.bfloat16)
+        with torch.no_grad(), set_forward_context(None, row_bucket=bucket):
+            eager = layer(x)
+            graph, static_x = torch.cuda.CUDAGraph(), x.clone()
+            with torch.cuda.graph(graph):
+                static_y = layer(static_x)
+            graph.replay()
+        assert torch.equal(static_y, eager)
