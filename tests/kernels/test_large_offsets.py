@@ -126,6 +126,7 @@ def test_skinny_gemm() -> None:
 
 def test_nf4_gemm() -> None:
     """The 4-bit GEMM reading activations and writing outputs past 2^31 elements."""
+    pytest.importorskip("bitsandbytes")  # builds the layer (a test dependency)
     from helpers.bnb_checkpoints import bnb_layer
 
     from vllm.model_executor.layers.nf4_gemm import Nf4Config, nf4_gemm

@@ -10,6 +10,8 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
+
+pytest.importorskip("bitsandbytes")  # the reference; a test dependency, not the engine's
 from helpers.bnb_checkpoints import DEVICE, bnb_layer
 
 from vllm.forward_context import set_forward_context

@@ -3,7 +3,6 @@ code tables, quantization (the load-time quantizer) and dequantization."""
 
 from __future__ import annotations
 
-import bitsandbytes.functional as bnbf
 import pytest
 import torch
 
@@ -14,6 +13,8 @@ from vllm.model_executor.layers.quantization.bnb_codec import (
     parse_quant_state,
     quantize_4bit,
 )
+
+bnbf = pytest.importorskip("bitsandbytes.functional")  # the reference; a test dependency
 
 _BITS = {torch.bfloat16: torch.int16, torch.float16: torch.int16, torch.float32: torch.int32}
 

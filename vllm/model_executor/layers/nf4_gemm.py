@@ -65,11 +65,15 @@ def _round_to(x, dt: tl.constexpr, EXACT_BF16: tl.constexpr):
     # float32 -> ``dt``, rounded to nearest even. Triton's interpreter truncates float32 to
     # bfloat16, so there (EXACT_BF16) the rounding is done on the bits; compiled, the cast
     # is the hardware's round-to-nearest-even.
+    # One return statement: compiled Triton checks every return of a function for one type,
+    # including those of constexpr branches not taken.
     if EXACT_BF16 and dt == tl.bfloat16:
         bits = x.to(tl.uint32, bitcast=True)
         bits = bits + (0x7FFF + ((bits >> 16) & 1))
-        return (bits >> 16).to(tl.uint16).to(tl.bfloat16, bitcast=True)
-    return x.to(dt)
+        y = (bits >> 16).to(tl.uint16).to(dt, bitcast=True)
+    else:
+        y = x.to(dt)
+    return y
 
 
 @triton.jit
@@ -91,8 +95,10 @@ def _block_scales(s_ptr, n2_ptr, nc_ptr, sh_ptr, off_ptr, rows, row_ok, j,
         local = (rows - start).to(tl.int64)[:, None] * kb + j[None, :]
         group = base.to(tl.int64)[:, None] + local // 256
         second = tl.load(n2_ptr + group, mask=row_ok[:, None], other=0.0)
-        return tl.load(nc_ptr + u) * second + offset[:, None]
-    return tl.load(s_ptr + idx, mask=row_ok[:, None], other=0.0)
+        scales = tl.load(nc_ptr + u) * second + offset[:, None]
+    else:
+        scales = tl.load(s_ptr + idx, mask=row_ok[:, None], other=0.0).to(tl.float32)
+    return scales
 
 
 @triton.jit
@@ -112,11 +118,13 @@ def _dequant_tile(w_ptr, s_ptr, code_ptr, n2_ptr, nc_ptr, sh_ptr, off_ptr, rows,
         scales = _block_scales(s_ptr, n2_ptr, nc_ptr, sh_ptr, off_ptr, rows, row_ok, j, K,
                                BLOCKSIZE, NESTED, NUM_SHARDS)
         blocks = tl.reshape(values, (BLOCK_N, per_row, BLOCKSIZE)) * scales[:, :, None]
-        return tl.reshape(blocks, (BLOCK_N, BLOCK_K))
-    j = k0 // BLOCKSIZE + tl.arange(0, 1)  # the tile lies inside one block of each row
-    scales = _block_scales(s_ptr, n2_ptr, nc_ptr, sh_ptr, off_ptr, rows, row_ok, j, K,
-                           BLOCKSIZE, NESTED, NUM_SHARDS)
-    return values * scales
+        w = tl.reshape(blocks, (BLOCK_N, BLOCK_K))
+    else:
+        j = k0 // BLOCKSIZE + tl.arange(0, 1)  # the tile lies inside one block of each row
+        scales = _block_scales(s_ptr, n2_ptr, nc_ptr, sh_ptr, off_ptr, rows, row_ok, j, K,
+                               BLOCKSIZE, NESTED, NUM_SHARDS)
+        w = values * scales
+    return w
 
 
 @triton.jit

@@ -17,6 +17,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+
+pytest.importorskip("bitsandbytes")  # the checkpoints are written by it (a test dependency)
 from helpers.bnb_checkpoints import load_hf_bnb_model
 from helpers.compare import check_logprobs_close, vllm_greedy
 from helpers.cuda_paths import use_fused_kernels
