@@ -78,7 +78,7 @@ INVALID = [
     ({"min_p": math.nan}, "min_p"),
     ({"seed": 1.5}, "seed"),
     ({"seed": "7"}, "seed"),
-    ({"max_tokens": 0}, "max_tokens"),
+    ({"max_tokens": -1}, "max_tokens"),
     ({"min_tokens": -1}, "min_tokens"),
     ({"min_tokens": 17}, "min_tokens"),
     ({"max_tokens": 4, "min_tokens": 5}, "min_tokens"),

@@ -111,7 +111,9 @@ class SamplingParams:
     """Sampling options of one request (vLLM's ``SamplingParams``; the same names and defaults).
 
     ``temperature`` below 1e-5 means greedy decoding; ``top_k`` 0 or -1 means no top-k filter;
-    ``max_tokens=None`` lets the engine generate up to the model's context length.
+    ``max_tokens=None`` lets the engine generate up to the model's context length;
+    ``max_tokens=0`` generates nothing (the request ends after its prefill, with its prompt
+    logprobs when asked for: loglikelihood scoring).
     """
 
     n: int = 1
@@ -217,7 +219,9 @@ class SamplingParams:
         if self.seed is not None and not _is_int(self.seed):
             raise ValueError(f"seed must be an integer, got {self.seed!r}.")
         if self.max_tokens is not None:
-            _check_int("max_tokens", self.max_tokens, 1)
+            # 0: nothing is generated; the prompt is scored (prompt_logprobs) and the request
+            # ends after its prefill.
+            _check_int("max_tokens", self.max_tokens, 0)
         _check_int("min_tokens", self.min_tokens, 0)
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
             raise ValueError(

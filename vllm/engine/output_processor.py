@@ -2,7 +2,9 @@
 
 Per sampled token: append it, record logprobs, detokenize incrementally, then check the stop
 conditions in vLLM's order (EOS unless ignore_eos, stop_token_ids, stop strings, max_tokens,
-max_model_len), all subject to min_tokens.
+max_model_len), all subject to min_tokens. A request with ``max_tokens=0`` ends when its
+prefill's results arrive, without the token that prefill sampled (its prompt logprobs are the
+output).
 """
 
 from __future__ import annotations
@@ -19,6 +21,13 @@ from vllm.sequence import Logprob
 from vllm.transformers_utils.detokenizer import IncrementalDetokenizer
 
 _MONO_TO_WALL = time.time() - time.monotonic()
+
+
+def _complete(seq: Sequence) -> bool:
+    """The sequence already holds ``max_tokens`` output tokens before this one: only with
+    ``max_tokens=0`` (any other sequence finishes when its last token is appended)."""
+    max_tokens = seq.request.params.max_tokens
+    return max_tokens is not None and seq.num_output_tokens >= max_tokens
 
 
 class OutputProcessor:
@@ -55,10 +64,16 @@ class OutputProcessor:
             if seq.status.finished:
                 continue  # finished while this step was in flight: the token is discarded
             touched[req.request_id] = req
-            seq.token_ids.append(result.token_ids[i])
             if req.first_token_time is None:
                 req.first_token_time = now
             req.last_token_time = now
+            if _complete(seq):
+                # max_tokens=0: the prefill's sampled token is not output (the request was
+                # for its prompt logprobs); it ends here, like any request at max_tokens.
+                scheduler.finish_seq(seq, SequenceStatus.FINISHED_LENGTH_CAPPED)
+                runner.release(seq)
+                continue
+            seq.token_ids.append(result.token_ids[i])
             try:
                 if result.logprobs is not None and req.params.logprobs is not None:
                     self._append_logprobs(seq, result, i)
