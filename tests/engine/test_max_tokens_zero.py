@@ -38,8 +38,9 @@ def test_alone(llm: LLM) -> None:
 
 def test_batched_with_generation(llm: LLM) -> None:
     (alone,) = llm.generate("Keep generating", GREEDY, use_tqdm=False)
-    scored, generated = llm.generate(["Score me", "Keep generating"], [SCORE, GREEDY],
-                                     use_tqdm=False)
+    scored, generated = llm.generate(
+        ["Score me", "Keep generating"], [SCORE, GREEDY], use_tqdm=False
+    )
     _assert_scored(scored, len(scored.prompt_token_ids))
     assert generated.outputs[0].token_ids == alone.outputs[0].token_ids
     assert len(generated.outputs[0].token_ids) == 6
@@ -56,8 +57,9 @@ def test_n_siblings(llm: LLM) -> None:
 
 def test_admitted_while_another_decodes(llm: LLM) -> None:
     engine = llm.llm_engine
-    engine.add_request("long", "A long generation", SamplingParams(
-        temperature=0, max_tokens=30, ignore_eos=True))
+    engine.add_request(
+        "long", "A long generation", SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)
+    )
     for _ in range(4):
         engine.step()
     engine.add_request("score", "Scored in between", SCORE)

@@ -114,7 +114,12 @@ CASES = [
     messages("two images, limit one", [{"role": "user", "content": TWO_IMAGES}], "passed 2 image"),
     Case("messages missing", {"max_tokens": 3}, "messages: Field required"),
     chat("max_tokens a string", "max_tokens: Input should be a valid integer", max_tokens="x"),
-    chat("max_tokens zero", "max_tokens must be an integer >= 1", max_tokens=0),
+    chat("max_tokens zero", "max_tokens: Input should be greater than or equal to 1", max_tokens=0),
+    completion(
+        "max_tokens negative",
+        "max_tokens: Input should be greater than or equal to 0",
+        max_tokens=-1,
+    ),
     chat("max_tokens > max_model_len", CONTEXT, max_tokens=100_000),
     chat("negative temperature", "temperature must be non-negative", temperature=-0.5),
     chat("top_p zero", "top_p must be in (0, 1]", top_p=0.0),

@@ -257,8 +257,10 @@ class ChatCompletionRequest(_SamplingRequest):
     messages: list[dict[str, Any]]
     logprobs: bool | None = False
     top_logprobs: int | None = None
-    max_tokens: int | None = Field(default=None, description="Deprecated: max_completion_tokens")
-    max_completion_tokens: int | None = None
+    max_tokens: int | None = Field(
+        default=None, ge=1, description="Deprecated: max_completion_tokens"
+    )
+    max_completion_tokens: int | None = Field(default=None, ge=1)
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = "none"
     parallel_tool_calls: bool | None = None
@@ -280,7 +282,9 @@ class ChatCompletionRequest(_SamplingRequest):
         return self
 
     def requested_max_tokens(self) -> int | None:
-        return self.max_completion_tokens or self.max_tokens
+        if self.max_completion_tokens is not None:
+            return self.max_completion_tokens
+        return self.max_tokens
 
     def requested_logprobs(self) -> int | None:
         return (self.top_logprobs or 0) if self.logprobs else None
@@ -320,7 +324,8 @@ class CompletionRequest(_SamplingRequest):
     prompt: str | list[str] | list[int] | list[list[int]]
     echo: bool | None = False
     logprobs: int | None = Field(default=None, ge=0)
-    max_tokens: int | None = 16
+    # 0 with echo: the prompt scored, nothing generated (loglikelihood).
+    max_tokens: int | None = Field(default=16, ge=0)
     suffix: str | None = None
     add_special_tokens: bool = True
 
@@ -330,8 +335,6 @@ class CompletionRequest(_SamplingRequest):
             return found
         if self.suffix:
             return "suffix"
-        if self.echo and (self.logprobs is not None or self.stream):
-            return "echo with logprobs or stream"
         return None
 
 
