@@ -75,6 +75,8 @@ INVALID = [
     ({"top_k": 2.5}, "top_k"),
     ({"min_p": -0.1}, "min_p"),
     ({"min_p": 1.5}, "min_p"),
+    ({"min_p": 2.0, "temperature": 0.0}, "min_p"),  # checked even where greedy ignores it
+    ({"top_p": 0.0, "temperature": 0.0}, "top_p"),
     ({"min_p": math.nan}, "min_p"),
     ({"seed": 1.5}, "seed"),
     ({"seed": "7"}, "seed"),
