@@ -9,9 +9,17 @@ from __future__ import annotations
 
 import time
 import uuid
-from typing import Any, ClassVar, Literal
+from typing import Annotated, Any, ClassVar, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import (
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Field,
+    StrictBool,
+    field_validator,
+    model_validator,
+)
 
 from vllm.entrypoints.openai.request_checks import (
     NO_LIMITS,
@@ -62,6 +70,42 @@ GUIDED_FIELDS = (
     "guided_grammar",
     "structured_outputs",
 )
+
+
+# Marks a schema the published OpenAPI document bounds with this app's numbers (openapi.py):
+# a token id (the vocabulary), a token list (the context length), ...
+X_BOUND = "x-vllm-bound"
+
+
+def _json_type(kind: str) -> BeforeValidator:
+    """Accepts a JSON number only: a boolean or a numeric string is not one (pydantic's lax
+    mode would take ``true`` as 1 and ``"5"`` as 5, which the schema does not allow)."""
+
+    def check(value: Any) -> Any:
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise ValueError(f"Input should be a valid {kind}")
+        return value
+
+    return BeforeValidator(check)
+
+
+# Request field types: JSON's types, as the schema states them (no coercion from strings or
+# booleans; an integral float such as 2.0 is an integer, as in JSON Schema).
+Int = Annotated[int, _json_type("integer")]
+
+
+def bounded_int(**bounds: int) -> Any:
+    """``Int`` within ``ge``/``le`` bounds (given before the type check, so that the schema
+    states them as ``minimum``/``maximum``)."""
+    return Annotated[int, Field(**bounds), _json_type("integer")]
+
+
+Float = Annotated[float, _json_type("number")]
+Bool = StrictBool
+TokenId = Annotated[int, _json_type("integer"), Field(json_schema_extra={X_BOUND: "token_id"})]
+TokenIds = Annotated[list[TokenId], Field(min_length=1, json_schema_extra={X_BOUND: "tokens"})]
+# A prompt text: longer than max_model_len times the longest token, it cannot fit.
+PromptText = Annotated[str, Field(json_schema_extra={X_BOUND: "prompt_chars"})]
 
 
 def random_id(prefix: str) -> str:
@@ -126,8 +170,8 @@ class ErrorResponse(BaseModel):
 class StreamOptions(OpenAIBaseModel):
     """``stream_options``: the usage chunk (``include_usage`` defaults to true)."""
 
-    include_usage: bool | None = True
-    continuous_usage_stats: bool | None = False
+    include_usage: Bool | None = True
+    continuous_usage_stats: Bool | None = False
 
 
 class UsageInfo(BaseModel):
@@ -149,36 +193,45 @@ class _SamplingRequest(OpenAIBaseModel):
     )
 
     model: str | None = None
-    frequency_penalty: float | None = None
-    presence_penalty: float | None = None
-    logit_bias: dict[str, float] | None = None
-    n: int | None = None
-    seed: int | None = Field(default=None, ge=INT64_MIN, le=INT64_MAX)
+    frequency_penalty: Float | None = None
+    presence_penalty: Float | None = None
+    logit_bias: dict[str, Float] | None = None
+    n: Int | None = None
+    seed: bounded_int(ge=INT64_MIN, le=INT64_MAX) | None = None
     stop: str | list[str] | None = None
-    stream: bool | None = False
+    stream: Bool | None = False
     stream_options: StreamOptions | None = None
-    temperature: float | None = None
-    top_p: float | None = None
+    temperature: Float | None = None
+    top_p: Float | None = None
     user: str | None = None
     response_format: dict[str, Any] | None = None
     # vLLM extensions (``extra_body`` in the openai SDK)
-    best_of: int | None = None
-    use_beam_search: bool = False
-    top_k: int | None = None
-    min_p: float | None = None
-    repetition_penalty: float | None = None
-    stop_token_ids: list[int] | None = None
-    include_stop_str_in_output: bool | None = None
-    ignore_eos: bool | None = None
-    min_tokens: int | None = None
-    skip_special_tokens: bool | None = None
-    spaces_between_special_tokens: bool | None = None
-    truncate_prompt_tokens: int | None = Field(default=None, ge=1)
-    prompt_logprobs: int | None = None
-    allowed_token_ids: list[int] | None = None
+    best_of: Int | None = None
+    use_beam_search: Bool = False
+    top_k: Int | None = None
+    min_p: Float | None = None
+    repetition_penalty: Float | None = None
+    stop_token_ids: list[TokenId] | None = None
+    include_stop_str_in_output: Bool | None = None
+    ignore_eos: Bool | None = None
+    min_tokens: Int | None = None
+    skip_special_tokens: Bool | None = None
+    spaces_between_special_tokens: Bool | None = None
+    truncate_prompt_tokens: bounded_int(ge=1) | None = None
+    prompt_logprobs: Int | None = None
+    allowed_token_ids: list[TokenId] | None = None
     bad_words: list[str] | None = None
     request_id: str | None = None
-    priority: int = 0
+    priority: Int = 0
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _check_logit_bias_keys(cls, value: dict[str, float] | None) -> dict[str, float] | None:
+        """Keys are token ids written in decimal (``int()`` alone would also take " 5")."""
+        for key in value or ():
+            if not (key.isascii() and key.isdigit()):
+                raise ValueError(f"keys must be token ids (decimal integers), got {key!r}.")
+        return value
 
     @model_validator(mode="after")
     def _check_stream_options(self) -> _SamplingRequest:
@@ -204,6 +257,16 @@ class _SamplingRequest(OpenAIBaseModel):
     @classmethod
     def _check_lengths(cls, data: dict[str, Any], limits: RequestLimits) -> None:
         super()._check_lengths(data, limits)
+        limit = limits.max_model_len
+        for name in ("max_tokens", "max_completion_tokens"):
+            value = data.get(name)
+            if limit is not None and type(value) is int and value >= limit:
+                # Whatever the prompt: it has at least one token (the schema's maximum).
+                raise ValueError(
+                    f"This model's maximum context length is {limit} tokens. However, you "
+                    f"requested {value} tokens in the completion ({name}), and the prompt "
+                    "takes at least one. Please reduce the length of the completion."
+                )
         for name in ("stop", "bad_words"):
             value = data.get(name)
             if isinstance(value, list) and len(value) > MAX_STOP_STRINGS:
@@ -254,20 +317,20 @@ class ChatCompletionRequest(_SamplingRequest):
         if limits.max_model_len is not None:
             check_content_parts(data.get("messages"), limits.max_model_len)
 
-    messages: list[dict[str, Any]]
-    logprobs: bool | None = False
-    top_logprobs: int | None = None
-    max_tokens: int | None = Field(
-        default=None, ge=1, description="Deprecated: max_completion_tokens"
+    messages: list[dict[str, Any]] = Field(min_length=1)
+    logprobs: Bool | None = False
+    top_logprobs: Int | None = None
+    max_tokens: bounded_int(ge=1) | None = Field(
+        default=None, description="Deprecated: max_completion_tokens"
     )
-    max_completion_tokens: int | None = Field(default=None, ge=1)
+    max_completion_tokens: bounded_int(ge=1) | None = None
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = "none"
-    parallel_tool_calls: bool | None = None
-    echo: bool = False
-    add_generation_prompt: bool = True
-    continue_final_message: bool = False
-    add_special_tokens: bool = False
+    parallel_tool_calls: Bool | None = None
+    echo: Bool = False
+    add_generation_prompt: Bool = True
+    continue_final_message: Bool = False
+    add_special_tokens: Bool = False
     chat_template: str | None = None
     chat_template_kwargs: dict[str, Any] | None = None
     mm_processor_kwargs: dict[str, Any] | None = None
@@ -321,13 +384,36 @@ class CompletionRequest(_SamplingRequest):
             for i, p in enumerate(prompt if batch else [prompt]):
                 check_tokens(f"prompt[{i}]" if batch else "prompt", p, limits.max_model_len)
 
-    prompt: str | list[str] | list[int] | list[list[int]]
-    echo: bool | None = False
-    logprobs: int | None = Field(default=None, ge=0)
+    prompt: (
+        PromptText
+        | Annotated[list[PromptText], Field(min_length=1, json_schema_extra={X_BOUND: "prompts"})]
+        | TokenIds
+        | Annotated[list[TokenIds], Field(min_length=1, json_schema_extra={X_BOUND: "prompts"})]
+    )
+    echo: Bool | None = False
+    logprobs: bounded_int(ge=0) | None = None
     # 0 with echo: the prompt scored, nothing generated (loglikelihood).
-    max_tokens: int | None = Field(default=16, ge=0)
+    max_tokens: bounded_int(ge=0) | None = 16
     suffix: str | None = None
-    add_special_tokens: bool = True
+    add_special_tokens: Bool = True
+
+    @field_validator("prompt", mode="before")
+    @classmethod
+    def _check_prompt(cls, value: Any) -> Any:
+        """One message for every malformed prompt (pydantic's would list each union member)."""
+        if isinstance(value, str):
+            return value
+        if isinstance(value, list) and value:
+            if all(isinstance(p, str) for p in value):
+                return value
+            if all(_is_token_ids(p) for p in value) or _is_token_ids(value):
+                return value
+        if value == [] or (isinstance(value, list) and [] in value):
+            raise ValueError("The prompt must not be empty.")
+        raise ValueError(
+            "prompt must be a string, a list of strings, a list of token ids (integers) or a "
+            "list of lists of token ids."
+        )
 
     def unsupported_feature(self) -> str | None:
         found = super().unsupported_feature()
@@ -336,6 +422,14 @@ class CompletionRequest(_SamplingRequest):
         if self.suffix:
             return "suffix"
         return None
+
+
+def _is_token_ids(value: Any) -> bool:
+    return (
+        isinstance(value, list)
+        and bool(value)
+        and all(isinstance(t, int) and not isinstance(t, bool) for t in value)
+    )
 
 
 class ChatMessage(BaseModel):

@@ -132,10 +132,8 @@ class OpenAIServingCompletion(OpenAIServing):
                 tickets.append(self.reserve())
             prepared = [await self._prepare(request, p) for p in prompts]
             # Prompt logprobs appear once per choice for echo, and once more when asked for.
-            copies = prepared[0].params.n * (
-                (request.echo and request.logprobs is not None)
-                + (request.prompt_logprobs is not None)
-            )
+            echo_logprobs = bool(request.echo) and request.logprobs is not None
+            copies = prepared[0].params.n * (echo_logprobs + (request.prompt_logprobs is not None))
             self.check_logprob_entries(
                 sum(logprob_entries(p.params, len(p.token_ids), copies) for p in prepared)
             )
