@@ -35,6 +35,7 @@ from vllm.engine.cli_args import FlexibleArgumentParser
 from vllm.entrypoints.chat_utils import load_chat_template
 from vllm.entrypoints.openai.cli_args import make_arg_parser, validate_parsed_serve_args
 from vllm.entrypoints.openai.http_limits import uvicorn_config
+from vllm.entrypoints.openai.http_metrics import HTTPMetricsMiddleware
 from vllm.entrypoints.openai.metrics import ServerMetrics
 from vllm.entrypoints.openai.middleware import (
     PROTECTED_PREFIXES,
@@ -143,7 +144,7 @@ def build_server_context(args: argparse.Namespace, engine: AsyncLLMEngine) -> Se
         served_model_names=names,
         model_root=str(args.model or mc.model),
         media=media_connector(args, limits),
-        metrics=ServerMetrics(engine, names[0], mc.max_model_len),
+        metrics=ServerMetrics(engine, names[0]),
         chat_template=load_chat_template(args.chat_template),
         response_role=args.response_role,
         log_requests=bool(args.enable_log_requests),
@@ -207,6 +208,8 @@ def build_app(args: argparse.Namespace, engine: AsyncLLMEngine) -> FastAPI:
         allow_methods=args.allowed_methods,
         allow_headers=args.allowed_headers,
     )
+    # Outermost: every answer counts, the 401s and 413s of the middleware above too.
+    app.add_middleware(HTTPMetricsMiddleware, metrics=ctx.metrics.http, routes=app.routes)
     return app
 
 

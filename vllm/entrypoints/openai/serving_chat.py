@@ -292,8 +292,6 @@ class OpenAIServingChat(OpenAIServing):
                                 stop_reason=c.stop_reason,
                             )
                         )
-                    if out.finished:
-                        self.ctx.metrics.observe_finished(out)
             if include_usage:
                 yield chunk(None)
         except Exception as e:

@@ -306,8 +306,6 @@ class OpenAIServingCompletion(OpenAIServing):
                                 stop_reason=c.stop_reason,
                             )
                         )
-                    if out.finished:
-                        self.ctx.metrics.observe_finished(out)
             if include_usage:
                 yield chunk(None)
         except Exception as e:
