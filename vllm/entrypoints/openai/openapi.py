@@ -133,8 +133,8 @@ _SAMPLING = {
     "use_beam_search": {"enum": [False], "description": "Not supported yet."},
     "response_format": {"properties": {"type": {"enum": ["text"]}}},
 }
-# A message's text: each alone no longer than a prompt that could fit (together, see api.md).
-_TEXT = {"type": "string", X_BOUND: "prompt_chars"}
+# A message's text (the rendered conversation must fit: a rule over all of them, see api.md).
+_TEXT = {"type": "string"}
 _TEXT_PART = {
     "type": "object",
     "required": ["type", "text"],
