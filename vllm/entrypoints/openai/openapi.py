@@ -21,10 +21,10 @@ from fastapi import FastAPI
 from fastapi.openapi.utils import get_openapi
 from pydantic.json_schema import models_json_schema
 
+from vllm.entrypoints.openai.json_types import X_BOUND
 from vllm.entrypoints.openai.protocol import (
     INT64_MAX,
     INT64_MIN,
-    X_BOUND,
     ChatCompletionResponse,
     ChatCompletionStreamResponse,
     CompletionResponse,

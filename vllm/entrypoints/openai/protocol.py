@@ -7,20 +7,47 @@ fields default to ``None`` here: only the fields a client actually sent reach
 
 from __future__ import annotations
 
-import time
-import uuid
-from typing import Annotated, Any, ClassVar, Literal
+from typing import Annotated, Any, ClassVar
 
 from pydantic import (
     BaseModel,
-    BeforeValidator,
     ConfigDict,
     Field,
-    StrictBool,
     field_validator,
     model_validator,
 )
 
+from vllm.entrypoints.openai.json_types import (
+    X_BOUND,
+    Bool,
+    Float,
+    Int,
+    PromptText,
+    TokenId,
+    TokenIds,
+    bounded_int,
+    is_token_ids,
+)
+from vllm.entrypoints.openai.protocol_responses import (
+    ChatCompletionLogProb,
+    ChatCompletionLogProbs,
+    ChatCompletionLogProbsContent,
+    ChatCompletionResponse,
+    ChatCompletionResponseChoice,
+    ChatCompletionResponseStreamChoice,
+    ChatCompletionStreamResponse,
+    ChatMessage,
+    CompletionLogProbs,
+    CompletionResponse,
+    CompletionResponseChoice,
+    CompletionResponseStreamChoice,
+    CompletionStreamResponse,
+    DeltaMessage,
+    ErrorInfo,
+    ErrorResponse,
+    UsageInfo,
+    random_id,
+)
 from vllm.entrypoints.openai.request_checks import (
     NO_LIMITS,
     REQUEST_LIMITS,
@@ -32,6 +59,38 @@ from vllm.entrypoints.openai.request_checks import (
     too_long,
 )
 from vllm.sampling_params import MAX_STOP_CHARS, MAX_STOP_STRINGS
+
+# The request bodies, and the response bodies of protocol_responses.py (vLLM's protocol module
+# holds both).
+__all__ = [
+    "GUIDED_FIELDS",
+    "INT64_MAX",
+    "INT64_MIN",
+    "LOGIT_BIAS_LIMIT",
+    "SAMPLING_FIELDS",
+    "ChatCompletionLogProb",
+    "ChatCompletionLogProbs",
+    "ChatCompletionLogProbsContent",
+    "ChatCompletionRequest",
+    "ChatCompletionResponse",
+    "ChatCompletionResponseChoice",
+    "ChatCompletionResponseStreamChoice",
+    "ChatCompletionStreamResponse",
+    "ChatMessage",
+    "CompletionLogProbs",
+    "CompletionRequest",
+    "CompletionResponse",
+    "CompletionResponseChoice",
+    "CompletionResponseStreamChoice",
+    "CompletionStreamResponse",
+    "DeltaMessage",
+    "ErrorInfo",
+    "ErrorResponse",
+    "OpenAIBaseModel",
+    "StreamOptions",
+    "UsageInfo",
+    "random_id",
+]
 
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
 # OpenAI's (and vLLM's) range for logit_bias values: larger ones are clamped to it.
@@ -70,46 +129,6 @@ GUIDED_FIELDS = (
     "guided_grammar",
     "structured_outputs",
 )
-
-
-# Marks a schema the published OpenAPI document bounds with this app's numbers (openapi.py):
-# a token id (the vocabulary), a token list (the context length), ...
-X_BOUND = "x-vllm-bound"
-
-
-def _json_type(kind: str) -> BeforeValidator:
-    """Accepts a JSON number only: a boolean or a numeric string is not one (pydantic's lax
-    mode would take ``true`` as 1 and ``"5"`` as 5, which the schema does not allow)."""
-
-    def check(value: Any) -> Any:
-        if isinstance(value, bool) or not isinstance(value, (int, float)):
-            raise ValueError(f"Input should be a valid {kind}")
-        return value
-
-    return BeforeValidator(check)
-
-
-# Request field types: JSON's types, as the schema states them (no coercion from strings or
-# booleans; an integral float such as 2.0 is an integer, as in JSON Schema).
-Int = Annotated[int, _json_type("integer")]
-
-
-def bounded_int(**bounds: int) -> Any:
-    """``Int`` within ``ge``/``le`` bounds (given before the type check, so that the schema
-    states them as ``minimum``/``maximum``)."""
-    return Annotated[int, Field(**bounds), _json_type("integer")]
-
-
-Float = Annotated[float, _json_type("number")]
-Bool = StrictBool
-TokenId = Annotated[int, _json_type("integer"), Field(json_schema_extra={X_BOUND: "token_id"})]
-TokenIds = Annotated[list[TokenId], Field(min_length=1, json_schema_extra={X_BOUND: "tokens"})]
-# A prompt text: longer than max_model_len times the longest token, it cannot fit.
-PromptText = Annotated[str, Field(json_schema_extra={X_BOUND: "prompt_chars"})]
-
-
-def random_id(prefix: str) -> str:
-    return f"{prefix}-{uuid.uuid4().hex}"
 
 
 class OpenAIBaseModel(BaseModel):
@@ -152,35 +171,11 @@ class OpenAIBaseModel(BaseModel):
         return sorted(self.model_extra or {})
 
 
-class ErrorInfo(BaseModel):
-    """The ``error`` object of an error body."""
-
-    message: str
-    type: str
-    param: str | None = None
-    code: int
-
-
-class ErrorResponse(BaseModel):
-    """vLLM >= 0.10.1 / OpenAI error body: ``{"error": {...}}``."""
-
-    error: ErrorInfo
-
-
 class StreamOptions(OpenAIBaseModel):
     """``stream_options``: the usage chunk (``include_usage`` defaults to true)."""
 
     include_usage: Bool | None = True
     continuous_usage_stats: Bool | None = False
-
-
-class UsageInfo(BaseModel):
-    """Token counts of a response (prompt = the decoder prompt, see serving_chat)."""
-
-    prompt_tokens: int = 0
-    total_tokens: int = 0
-    completion_tokens: int | None = 0
-    prompt_tokens_details: dict[str, int] | None = None
 
 
 class _SamplingRequest(OpenAIBaseModel):
@@ -406,7 +401,7 @@ class CompletionRequest(_SamplingRequest):
         if isinstance(value, list) and value:
             if all(isinstance(p, str) for p in value):
                 return value
-            if all(_is_token_ids(p) for p in value) or _is_token_ids(value):
+            if all(is_token_ids(p) for p in value) or is_token_ids(value):
                 return value
         if value == [] or (isinstance(value, list) and [] in value):
             raise ValueError("The prompt must not be empty.")
@@ -422,147 +417,3 @@ class CompletionRequest(_SamplingRequest):
         if self.suffix:
             return "suffix"
         return None
-
-
-def _is_token_ids(value: Any) -> bool:
-    return (
-        isinstance(value, list)
-        and bool(value)
-        and all(isinstance(t, int) and not isinstance(t, bool) for t in value)
-    )
-
-
-class ChatMessage(BaseModel):
-    """A generated chat message."""
-
-    role: str
-    content: str | None = None
-    tool_calls: list[dict[str, Any]] = Field(default_factory=list)
-    reasoning_content: str | None = None
-
-
-class ChatCompletionLogProb(BaseModel):
-    """A token and its log-probability."""
-
-    token: str
-    logprob: float = -9999.0
-    bytes: list[int] | None = None
-
-
-class ChatCompletionLogProbsContent(ChatCompletionLogProb):
-    """A generated token with its most likely alternatives."""
-
-    top_logprobs: list[ChatCompletionLogProb] = Field(default_factory=list)
-
-
-class ChatCompletionLogProbs(BaseModel):
-    """Chat ``logprobs``: one entry per generated token."""
-
-    content: list[ChatCompletionLogProbsContent] | None = None
-
-
-class ChatCompletionResponseChoice(BaseModel):
-    """One choice of a non-streamed chat completion."""
-
-    index: int
-    message: ChatMessage
-    logprobs: ChatCompletionLogProbs | None = None
-    finish_reason: str | None = "stop"
-    stop_reason: int | str | None = None
-
-
-class ChatCompletionResponse(BaseModel):
-    """``POST /v1/chat/completions`` body (non-streamed)."""
-
-    id: str = Field(default_factory=lambda: random_id("chatcmpl"))
-    object: Literal["chat.completion"] = "chat.completion"
-    created: int = Field(default_factory=lambda: int(time.time()))
-    model: str
-    choices: list[ChatCompletionResponseChoice]
-    usage: UsageInfo
-    prompt_logprobs: list[dict[int, dict[str, Any]] | None] | None = None
-
-
-class DeltaMessage(BaseModel):
-    """The new part of a streamed message."""
-
-    role: str | None = None
-    content: str | None = None
-
-
-class ChatCompletionResponseStreamChoice(BaseModel):
-    """One choice of a chat stream chunk."""
-
-    index: int
-    delta: DeltaMessage
-    logprobs: ChatCompletionLogProbs | None = None
-    finish_reason: str | None = None
-    stop_reason: int | str | None = None
-
-
-class ChatCompletionStreamResponse(BaseModel):
-    """One SSE chunk of a streamed chat completion."""
-
-    id: str
-    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
-    created: int
-    model: str
-    choices: list[ChatCompletionResponseStreamChoice]
-    usage: UsageInfo | None = None
-
-
-class CompletionLogProbs(BaseModel):
-    """Legacy completions ``logprobs`` (parallel lists per token)."""
-
-    text_offset: list[int] = Field(default_factory=list)
-    token_logprobs: list[float | None] = Field(default_factory=list)
-    tokens: list[str] = Field(default_factory=list)
-    top_logprobs: list[dict[str, float] | None] = Field(default_factory=list)
-
-    def model_post_init(self, context: Any, /) -> None:
-        # The lists are filled in place after construction; count them as set so that stream
-        # chunks (dumped with ``exclude_unset``) keep them instead of sending ``{}``.
-        self.__pydantic_fields_set__.update(type(self).model_fields)
-
-
-class CompletionResponseChoice(BaseModel):
-    """One choice of a non-streamed completion."""
-
-    index: int
-    text: str
-    logprobs: CompletionLogProbs | None = None
-    finish_reason: str | None = None
-    stop_reason: int | str | None = None
-    prompt_logprobs: list[dict[int, dict[str, Any]] | None] | None = None
-
-
-class CompletionResponse(BaseModel):
-    """``POST /v1/completions`` body (non-streamed)."""
-
-    id: str = Field(default_factory=lambda: random_id("cmpl"))
-    object: Literal["text_completion"] = "text_completion"
-    created: int = Field(default_factory=lambda: int(time.time()))
-    model: str
-    choices: list[CompletionResponseChoice]
-    usage: UsageInfo
-
-
-class CompletionResponseStreamChoice(BaseModel):
-    """One choice of a completion stream chunk."""
-
-    index: int
-    text: str
-    logprobs: CompletionLogProbs | None = None
-    finish_reason: str | None = None
-    stop_reason: int | str | None = None
-
-
-class CompletionStreamResponse(BaseModel):
-    """One SSE chunk of a streamed completion."""
-
-    id: str
-    object: Literal["text_completion"] = "text_completion"
-    created: int
-    model: str
-    choices: list[CompletionResponseStreamChoice]
-    usage: UsageInfo | None = None

@@ -12,7 +12,8 @@ from typing import Annotated, Any, ClassVar
 from pydantic import BaseModel, Field
 
 from vllm.entrypoints.chat_utils import parse_conversation, render_chat_prompt
-from vllm.entrypoints.openai.protocol import X_BOUND, Bool, Int, OpenAIBaseModel, PromptText
+from vllm.entrypoints.openai.json_types import X_BOUND, Bool, Int, PromptText
+from vllm.entrypoints.openai.protocol import OpenAIBaseModel
 from vllm.entrypoints.openai.serving_engine import OpenAIServing, bad_request
 
 # Any id the tokenizer knows (special tokens and <|image|> included), as /detokenize takes.
