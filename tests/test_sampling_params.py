@@ -75,10 +75,12 @@ INVALID = [
     ({"top_k": 2.5}, "top_k"),
     ({"min_p": -0.1}, "min_p"),
     ({"min_p": 1.5}, "min_p"),
+    ({"min_p": 2.0, "temperature": 0.0}, "min_p"),  # checked even where greedy ignores it
+    ({"top_p": 0.0, "temperature": 0.0}, "top_p"),
     ({"min_p": math.nan}, "min_p"),
     ({"seed": 1.5}, "seed"),
     ({"seed": "7"}, "seed"),
-    ({"max_tokens": 0}, "max_tokens"),
+    ({"max_tokens": -1}, "max_tokens"),
     ({"min_tokens": -1}, "min_tokens"),
     ({"min_tokens": 17}, "min_tokens"),
     ({"max_tokens": 4, "min_tokens": 5}, "min_tokens"),

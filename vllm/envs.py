@@ -185,6 +185,26 @@ def check_all() -> None:
         var.read()
 
 
+# What ``vllm collect-env`` shows of the environment besides this package's variables.
+_REPORTED_PREFIXES = ("CUDA_", "NCCL_", "TORCH_", "PYTORCH_", "TRITON_", "HF_", "TRANSFORMERS_")
+_SECRET_WORDS = ("KEY", "TOKEN", "SECRET", "PASSWORD")
+
+
+def report() -> list[tuple[str, str]]:
+    """The variables a bug report should show, as set (unparsed): this package's and the
+    CUDA / torch / Triton / Hugging Face ones; a value whose name says it is a secret (a key,
+    a token, a password) is shown as ``***``."""
+    names = set(VARIABLES) | {n for n in os.environ if n.startswith(_REPORTED_PREFIXES)}
+    out = []
+    for name in sorted(names):
+        raw = os.environ.get(name)
+        if raw is None:
+            continue
+        secret = any(word in name for word in _SECRET_WORDS)
+        out.append((name, "***" if secret and raw else raw))
+    return out
+
+
 def describe() -> str:
     """A table of every variable, its default and what it does."""
     lines = []

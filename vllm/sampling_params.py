@@ -111,7 +111,9 @@ class SamplingParams:
     """Sampling options of one request (vLLM's ``SamplingParams``; the same names and defaults).
 
     ``temperature`` below 1e-5 means greedy decoding; ``top_k`` 0 or -1 means no top-k filter;
-    ``max_tokens=None`` lets the engine generate up to the model's context length.
+    ``max_tokens=None`` lets the engine generate up to the model's context length;
+    ``max_tokens=0`` generates nothing (the request ends after its prefill, with its prompt
+    logprobs when asked for: loglikelihood scoring).
     """
 
     n: int = 1
@@ -145,10 +147,11 @@ class SamplingParams:
         self._eos_token_ids: frozenset[int] = frozenset()
         self._normalise()
         self._verify()
+        self._neutralise_greedy()
 
     # ------------------------------------------------------------------ normalisation
     def _normalise(self) -> None:
-        """Canonical forms: lists for stop options, 0 for "no top-k", neutral filters if greedy."""
+        """Canonical forms: lists for stop options, 0 for "no top-k"."""
         if self.seed == -1:
             self.seed = None
         if self.top_k == -1:
@@ -177,8 +180,11 @@ class SamplingParams:
                 self.output_kind = RequestOutputKind(self.output_kind)
             except ValueError as e:
                 raise ValueError(f"output_kind must be 0, 1 or 2, got {self.output_kind!r}.") from e
-        if isinstance(self.temperature, Real) and self.temperature < _SAMPLING_EPS:
-            # Greedy: the filters cannot change an argmax, so make them neutral (as vLLM does).
+
+    def _neutralise_greedy(self) -> None:
+        """Greedy: the filters cannot change an argmax, so make them neutral (as vLLM does,
+        after checking them: an out-of-range filter is an error even when greedy)."""
+        if self.temperature < _SAMPLING_EPS:
             self.top_p, self.top_k, self.min_p = 1.0, 0, 0.0
 
     # ------------------------------------------------------------------ validation
@@ -217,7 +223,9 @@ class SamplingParams:
         if self.seed is not None and not _is_int(self.seed):
             raise ValueError(f"seed must be an integer, got {self.seed!r}.")
         if self.max_tokens is not None:
-            _check_int("max_tokens", self.max_tokens, 1)
+            # 0: nothing is generated; the prompt is scored (prompt_logprobs) and the request
+            # ends after its prefill.
+            _check_int("max_tokens", self.max_tokens, 0)
         _check_int("min_tokens", self.min_tokens, 0)
         if self.max_tokens is not None and self.min_tokens > self.max_tokens:
             raise ValueError(
@@ -319,6 +327,7 @@ class SamplingParams:
             self.stop_token_ids += sorted(config_eos - known)
         self._normalise()
         self._verify()
+        self._neutralise_greedy()
 
     def clone(self) -> SamplingParams:
         """A deep copy (explicitly-set fields and EOS ids included)."""

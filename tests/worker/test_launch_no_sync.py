@@ -65,6 +65,9 @@ def test_step_launches_do_not_synchronise(spread: int) -> None:
     engine.add_request("img", {"prompt": "<|image|><|image|><|begin_of_text|>Two of them",
                                "multi_modal_data": {"image": [_image(1), _image(2)]}}, params)
     engine.add_request("txt", "Another text request", params)
+    # Scored, not continued (max_tokens=0): its prompt logprobs take the same result path.
+    engine.add_request("score", "Scored while others decode",
+                       SamplingParams(max_tokens=0, prompt_logprobs=2))
     done = {}
     for _ in range(200):
         for o in engine.step():
@@ -72,7 +75,10 @@ def test_step_launches_do_not_synchronise(spread: int) -> None:
                 done[o.request_id] = o
         if not engine.has_unfinished_requests():
             break
-    assert set(done) == {"long", "img", "txt"}
+    assert set(done) == {"long", "img", "txt", "score"}
+    score = done.pop("score")
+    assert score.error is None and score.outputs[0].token_ids == []
+    assert len(score.prompt_logprobs) == len(score.prompt_token_ids)
     assert all(o.error is None and len(o.outputs[0].token_ids) == 12 for o in done.values())
     assert all(len(o.prompt_logprobs) == len(o.prompt_token_ids) for o in done.values())
     assert runner.stats.images_encoded_ahead >= 1

@@ -83,7 +83,9 @@ class Scheduler:
             raise RequestTooLarge(f"The request's {request.inputs.num_images} image(s) need "
                                   f"{tiles} encoder tiles per step, more than "
                                   f"max_num_encoder_tiles ({c.max_num_encoder_tiles}).")
-        max_len = min(c.max_model_len, prompt + (request.params.max_tokens or c.max_model_len))
+        max_tokens = request.params.max_tokens
+        max_len = min(c.max_model_len,
+                      prompt + (c.max_model_len if max_tokens is None else max_tokens))
         need = n * self.bm.pages_for_tokens(max_len) + self.bm.cross_pages_for(request)
         if need > self.bm.pool.num_allocatable:
             raise RequestTooLarge(

@@ -248,6 +248,23 @@ class AsyncLLMEngine:
             "eager_decode_steps": runner.stats.eager_decode_steps,
             "images_encoded_ahead": runner.stats.images_encoded_ahead,
             "encoder_steps": runner.stats.encoder_chunks,
+            "requests": self.engine.stats.snapshot(),
+            "cache_config": self.cache_config_info(),
+        }
+
+    def cache_config_info(self) -> dict[str, Any]:
+        """``vllm:cache_config_info``'s labels: the KV cache as configured and as sized."""
+        cc = self.engine.config.cache_config
+        pool = self.engine.block_manager.pool
+        return {
+            "block_size": cc.block_size,
+            "cache_dtype": cc.kv_cache_dtype,
+            "enable_prefix_caching": False,
+            "gpu_memory_utilization": cc.gpu_memory_utilization,
+            "num_gpu_blocks": pool.num_allocatable,
+            "num_gpu_blocks_override": cc.num_gpu_blocks_override,
+            "num_cpu_blocks": 0,
+            "swap_space_bytes": 0,
         }
 
     # ------------------------------------------------------------------ engine thread

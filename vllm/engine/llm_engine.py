@@ -19,6 +19,7 @@ from vllm.core.sequence import Request
 from vllm.engine.arg_utils import EngineArgs
 from vllm.engine.errors import DeviceError, device_error, is_device_error
 from vllm.engine.output_processor import OutputProcessor
+from vllm.engine.stats import EngineStats
 from vllm.engine.warmup import warm_up
 from vllm.logger import init_logger
 from vllm.multimodal.processing import MllamaInputProcessor
@@ -79,7 +80,8 @@ class LLMEngine:
         if self.tokenizer.eos_token_id is not None:
             eos.add(self.tokenizer.eos_token_id)
         self.eos_token_ids = sorted(eos)
-        self.output_processor = OutputProcessor(self.tokenizer, config)
+        self.stats = EngineStats(mc.max_model_len, config.scheduler_config.max_num_batched_tokens)
+        self.output_processor = OutputProcessor(self.tokenizer, config, self.stats)
         self.log_stats = log_stats
         # Launch step N+1 before reading step N's results, so host work overlaps the GPU.
         self.async_scheduling = async_scheduling
@@ -244,6 +246,8 @@ class LLMEngine:
             return outputs + self._isolate_failure(out, e)
         for s in handle.result.seqs:
             s.inflight += 1
+        if out.is_prefill:
+            handle.result.num_prompt_tokens = sum(len(s) for s in out.prefill_seqs)
         previous, self._pending = self._pending, handle
         if not out.is_prefill and self.runner.prefill_job is not None:
             # The spread prefill's next layers, queued after this decode step's results.

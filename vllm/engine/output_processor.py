@@ -2,7 +2,9 @@
 
 Per sampled token: append it, record logprobs, detokenize incrementally, then check the stop
 conditions in vLLM's order (EOS unless ignore_eos, stop_token_ids, stop strings, max_tokens,
-max_model_len), all subject to min_tokens.
+max_model_len), all subject to min_tokens. A request with ``max_tokens=0`` ends when its
+prefill's results arrive, without the token that prefill sampled (its prompt logprobs are the
+output).
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ from typing import Any
 from vllm.config import VllmConfig
 from vllm.core.scheduler import Scheduler
 from vllm.core.sequence import Request, Sequence, SequenceStatus
+from vllm.engine.stats import EngineStats, FinishedRequest
 from vllm.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from vllm.sampling_params import RequestOutputKind
 from vllm.sequence import Logprob
@@ -21,13 +24,45 @@ from vllm.transformers_utils.detokenizer import IncrementalDetokenizer
 _MONO_TO_WALL = time.time() - time.monotonic()
 
 
+def _complete(seq: Sequence) -> bool:
+    """The sequence already holds ``max_tokens`` output tokens before this one: only with
+    ``max_tokens=0`` (any other sequence finishes when its last token is appended)."""
+    max_tokens = seq.request.params.max_tokens
+    return max_tokens is not None and seq.num_output_tokens >= max_tokens
+
+
+class _StepTiming:
+    """One collected step's token count and latencies, per request: the time to its first
+    output, or the time since its previous tokens (siblings of one request count once)."""
+
+    def __init__(self, now: float) -> None:
+        self.now = now
+        self.generated = 0
+        self.first_tokens: list[float] = []
+        self.inter_token: list[float] = []
+        self._seen: set[str] = set()
+
+    def observe(self, req: Request) -> None:
+        if req.request_id not in self._seen:
+            self._seen.add(req.request_id)
+            if req.first_token_time is None:
+                self.first_tokens.append(self.now - (req.arrival_time + _MONO_TO_WALL))
+                req.first_token_time = self.now
+            elif req.last_token_time is not None:
+                self.inter_token.append(self.now - req.last_token_time)
+        req.last_token_time = self.now
+
+
 class OutputProcessor:
     """Applies a step's results to its sequences and builds the outputs."""
 
-    def __init__(self, tokenizer: Any, config: VllmConfig) -> None:
+    def __init__(self, tokenizer: Any, config: VllmConfig,
+                 stats: EngineStats | None = None) -> None:
         self.tokenizer = tokenizer
         self.max_model_len = config.model_config.max_model_len
         self._sent: dict[int, tuple[int, int]] = {}  # seq_id -> (tokens, chars) already sent
+        self.stats = stats or EngineStats(
+            self.max_model_len, config.scheduler_config.max_num_batched_tokens)
 
     def forget(self, request: Request) -> None:
         for s in request.seqs:
@@ -45,6 +80,7 @@ class OutputProcessor:
         now = time.time()
         touched: dict[str, Request] = {}
         failed: list[tuple[Request, Exception]] = []
+        timing = _StepTiming(now)
         for rid, (vals, ids, ranks) in result.prompt_logprobs.items():
             req = scheduler.requests.get(rid)
             if req is not None:
@@ -55,10 +91,15 @@ class OutputProcessor:
             if seq.status.finished:
                 continue  # finished while this step was in flight: the token is discarded
             touched[req.request_id] = req
+            timing.observe(req)
+            if _complete(seq):
+                # max_tokens=0: the prefill's sampled token is not output (the request was
+                # for its prompt logprobs); it ends here, like any request at max_tokens.
+                scheduler.finish_seq(seq, SequenceStatus.FINISHED_LENGTH_CAPPED)
+                runner.release(seq)
+                continue
             seq.token_ids.append(result.token_ids[i])
-            if req.first_token_time is None:
-                req.first_token_time = now
-            req.last_token_time = now
+            timing.generated += 1
             try:
                 if result.logprobs is not None and req.params.logprobs is not None:
                     self._append_logprobs(seq, result, i)
@@ -77,7 +118,24 @@ class OutputProcessor:
                     runner.release(s)
         for req in scheduler.release_finished():
             req.finished_time = now
+            self._record_finished(req)
+        self.stats.record_step(
+            result.num_prompt_tokens, timing.generated, timing.first_tokens, timing.inter_token)
         return [o for req in touched.values() if (o := self._output(req)) is not None]
+
+    def _record_finished(self, req: Request) -> None:
+        """A request that ended normally (an aborted or failed one is not counted)."""
+        reasons = [s.status.finish_reason for s in req.seqs
+                   if s.status != SequenceStatus.FINISHED_ABORTED]
+        if not reasons or req.error is not None or req.finished_time is None:
+            return
+        self.stats.record_finished(FinishedRequest(
+            arrival=req.arrival_time + _MONO_TO_WALL, scheduled=req.first_scheduled_time,
+            first_token=req.first_token_time, finished=req.finished_time,
+            prompt_tokens=len(req.inputs.prompt_token_ids),
+            generated=[s.num_output_tokens for s in req.seqs],
+            finish_reasons=[r for r in reasons if r is not None], n=req.params.n,
+            max_tokens=req.params.max_tokens))
 
     def fail(self, request: Request) -> RequestOutput:
         """The final output of a request that failed inside the engine."""

@@ -41,6 +41,7 @@ class StepOutput:
     logprob_ids: list[list[int]] | None = None
     ranks: list[int] | None = None
     prompt_logprobs: dict[str, PromptLogprobs] = field(default_factory=dict)
+    num_prompt_tokens: int = 0  # tokens a prefill step computed (for the engine's stats)
 
 
 @dataclass

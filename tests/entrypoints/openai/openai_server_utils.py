@@ -156,6 +156,19 @@ class LagProbe:
         finished.result(timeout=120)
 
 
+def is_unauthorized(r: Any) -> bool:
+    """The server's 401: OpenAI's error body (``AuthenticationError``) and the scheme to use."""
+    if r.status_code != 401 or r.headers.get("www-authenticate") != "Bearer":
+        return False
+    err = r.json().get("error")
+    return (
+        isinstance(err, dict)
+        and err.get("type") == "AuthenticationError"
+        and err.get("code") == 401
+        and "Unauthorized" in err.get("message", "")
+    )
+
+
 def wait_until_idle(engine: AsyncLLMEngine, timeout: float = 20.0) -> None:
     """Bounded polling until the engine has no requests and every KV page is free."""
     llm_engine = engine.engine

@@ -23,6 +23,7 @@ from openai_server_utils import (
     MODEL,
     RunningServer,
     image_message,
+    is_unauthorized,
     png_bytes,
     start_server,
     wait_until_idle,
@@ -107,14 +108,19 @@ CASES = [
     raw("NaN temperature", NAN_BODY, "temperature must be a number, got nan"),
     raw("infinite temperature", INF_BODY, "temperature must be finite, got inf"),
     messages("messages not a list", {"role": "user"}, "messages: Input should be a valid list"),
-    messages("empty messages", [], "messages must be a non-empty list"),
+    messages("empty messages", [], "messages: List should have at least 1 item"),
     messages("message without role", [{"content": "x"}], "string 'role'"),
     messages("content a number", [{"role": "user", "content": 5}], "a string or a list of parts"),
     messages("unknown part", [{"role": "user", "content": [{"type": "audio"}]}], "unsupported"),
     messages("two images, limit one", [{"role": "user", "content": TWO_IMAGES}], "passed 2 image"),
     Case("messages missing", {"max_tokens": 3}, "messages: Field required"),
     chat("max_tokens a string", "max_tokens: Input should be a valid integer", max_tokens="x"),
-    chat("max_tokens zero", "max_tokens must be an integer >= 1", max_tokens=0),
+    chat("max_tokens zero", "max_tokens: Input should be greater than or equal to 1", max_tokens=0),
+    completion(
+        "max_tokens negative",
+        "max_tokens: Input should be greater than or equal to 0",
+        max_tokens=-1,
+    ),
     chat("max_tokens > max_model_len", CONTEXT, max_tokens=100_000),
     chat("negative temperature", "temperature must be non-negative", temperature=-0.5),
     chat("top_p zero", "top_p must be in (0, 1]", top_p=0.0),
@@ -129,7 +135,19 @@ CASES = [
     chat("n > 1 greedy", "n must be 1 when using greedy", n=2, temperature=0.0),
     chat("top_logprobs 21", "exceeds the maximum of 20", logprobs=True, top_logprobs=21),
     chat("top_logprobs alone", "`logprobs` must be set to true", top_logprobs=2),
-    chat("stream_options alone", "Stream options can only", stream_options={"include_usage": 1}),
+    chat("stream_options alone", "Stream options can only", stream_options={"include_usage": True}),
+    chat(
+        "include_usage a number",
+        "stream_options.include_usage: Input should be a valid boolean",
+        stream=True,
+        stream_options={"include_usage": 1},
+    ),
+    chat("stream a string", "stream: Input should be a valid boolean", stream="true"),
+    chat("n a string", "n: Input should be a valid integer", n="2"),
+    chat("temperature a boolean", "temperature: Input should be a valid number", temperature=True),
+    completion("prompt of booleans", "prompt must be a string, a list of strings", prompt=[True]),
+    completion("prompt with an empty token list", "must not be empty", prompt=[[5], []]),
+    completion("logit_bias key with a space", "keys must be token ids", logit_bias={" 5": 1}),
     chat(
         "allowed_token_ids 600", "allowed_token_ids contains token id 600", allowed_token_ids=[600]
     ),
@@ -227,8 +245,8 @@ def test_catalogue(servers: dict[str, RunningServer], case: Case) -> None:
     assert r.status_code == case.status, r.text
     if case.status == 200:
         return
-    if case.status == 401:  # vLLM's bare body for a bad key
-        assert r.json() == {"error": "Unauthorized"}
+    if case.status == 401:
+        assert is_unauthorized(r), r.text
         return
     assert case.contains in assert_error_shape(r)["message"]
 

@@ -15,6 +15,7 @@ from openai_server_utils import (
     MODEL,
     RunningServer,
     image_message,
+    is_unauthorized,
     parse_server_args,
     png_data_url,
     start_server,
@@ -200,7 +201,7 @@ def keyed_server(engine: AsyncLLMEngine) -> Iterator[RunningServer]:
 def test_api_key(keyed_server: RunningServer) -> None:
     for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": "sekret"}):
         r = httpx.get(f"{keyed_server.url}/v1/models", headers=headers)
-        assert r.status_code == 401 and r.json() == {"error": "Unauthorized"}
+        assert is_unauthorized(r)
     with pytest.raises(openai.AuthenticationError):
         keyed_server.client(api_key="bad").models.list()
     assert keyed_server.client(api_key="sekret").models.list().data[0].id == MODEL

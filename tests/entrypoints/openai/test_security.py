@@ -17,7 +17,14 @@ from typing import Any
 
 import httpx
 import pytest
-from openai_server_utils import RunningServer, image_message, png_data_url, start_server
+from openai_server_utils import (
+    MODEL,
+    RunningServer,
+    image_message,
+    is_unauthorized,
+    png_data_url,
+    start_server,
+)
 from test_bad_input_catalogue import png_header
 
 from vllm.engine.async_llm_engine import AsyncLLMEngine
@@ -35,29 +42,36 @@ def keyed(engine: AsyncLLMEngine) -> Iterator[RunningServer]:
 
 
 def v1_routes(srv: RunningServer) -> list[tuple[str, str]]:
-    """(method, path) of every route the app serves under /v1."""
+    """(method, path) of every route the app serves under /v1 (and SageMaker's
+    /invocations), the model's name in a path parameter."""
     out = []
     for route in srv.app.routes:
-        path = getattr(route, "path", "")
+        path = getattr(route, "path", "").replace("{model:path}", MODEL)
         for method in sorted(getattr(route, "methods", None) or ()):
-            if path.startswith("/v1") and method != "HEAD":
+            if path.startswith(("/v1", "/invocations")) and method != "HEAD":
                 out.append((method, path))
     return out
 
 
 def test_api_key_is_required_on_every_v1_route(keyed: RunningServer) -> None:
     routes = v1_routes(keyed)
-    assert {p for _, p in routes} >= {"/v1/models", "/v1/chat/completions", "/v1/completions"}
+    assert {p for _, p in routes} >= {
+        "/v1/models",
+        f"/v1/models/{MODEL}",
+        "/v1/chat/completions",
+        "/v1/completions",
+        "/invocations",
+    }
     body = {"messages": [{"role": "user", "content": "hi"}], "prompt": "hi", "max_tokens": 2}
     with httpx.Client(base_url=keyed.url, timeout=30) as c:
         for method, path in [*routes, ("GET", "/v1/no-such-route")]:
             for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": KEY}):
                 r = c.request(method, path, json=body, headers=headers)
-                assert r.status_code == 401 and r.json() == {"error": "Unauthorized"}, (path, r)
+                assert is_unauthorized(r), (path, r)
         for method, path in routes:
             r = c.request(method, path, json=body, headers={"Authorization": f"Bearer {KEY}"})
             assert r.status_code == 200, (path, r.text)
-        for path in ("/health", "/metrics", "/version"):  # probes and scrapers need no key
+        for path in ("/health", "/ping", "/metrics", "/version"):  # probes and scrapers need no key
             assert c.get(path).status_code == 200
 
 

@@ -1,4 +1,5 @@
-"""The ``vllm`` console script: ``vllm serve MODEL [flags]`` and ``vllm bench ...``."""
+"""The ``vllm`` console script: ``vllm serve MODEL [flags]``, ``vllm run-batch``, ``vllm chat``
+and ``vllm complete`` (against a running server), ``vllm collect-env`` and ``vllm bench ...``."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ import sys
 from types import ModuleType
 
 from vllm.engine.cli_args import FlexibleArgumentParser
-from vllm.entrypoints.cli import serve
+from vllm.entrypoints.cli import collect_env, openai_client, run_batch, serve
 from vllm.version import __version__
 
 BENCH_SUBCOMMANDS = {
@@ -65,8 +66,15 @@ def make_parser(load_bench_modules: bool = False) -> FlexibleArgumentParser:
         prog="vllm", description="vLLM-compatible CLI for Llama 3.2 Vision."
     )
     parser.add_argument("-v", "--version", action="version", version=__version__)
-    subparsers = parser.add_subparsers(dest="subcommand", required=True, metavar="{serve,bench}")
+    subparsers = parser.add_subparsers(
+        dest="subcommand",
+        required=True,
+        metavar="{serve,run-batch,chat,complete,collect-env,bench}",
+    )
     serve.register(subparsers)
+    run_batch.register(subparsers)
+    openai_client.register(subparsers)
+    collect_env.register(subparsers)
     _register_bench(subparsers, load_bench_modules)
     return parser
 

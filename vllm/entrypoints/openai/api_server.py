@@ -39,32 +39,27 @@ from vllm.entrypoints.openai.cli_args import (
     validate_parsed_serve_args,
 )
 from vllm.entrypoints.openai.http_limits import uvicorn_config
-from vllm.entrypoints.openai.metrics import CONTENT_TYPE, ServerMetrics
+from vllm.entrypoints.openai.http_metrics import HTTPMetricsMiddleware
+from vllm.entrypoints.openai.metrics import ServerMetrics
 from vllm.entrypoints.openai.middleware import (
     PROTECTED_PREFIXES,
     APIKeyMiddleware,
     BodySizeLimitMiddleware,
     RequestLimitsMiddleware,
 )
-from vllm.entrypoints.openai.protocol import (
-    ChatCompletionRequest,
-    CompletionRequest,
+from vllm.entrypoints.openai.openapi import (
+    SchemaBounds,
+    install_openapi,
 )
 from vllm.entrypoints.openai.request_checks import RequestLimits
+from vllm.entrypoints.openai.routes import add_routes
 from vllm.entrypoints.openai.server_limits import ServerLimits
-from vllm.entrypoints.openai.serving_chat import OpenAIServingChat, internal_error
-from vllm.entrypoints.openai.serving_completion import OpenAIServingCompletion
+from vllm.entrypoints.openai.serving_chat import internal_error
 from vllm.entrypoints.openai.serving_engine import (
     ClientDisconnectedError,
     OpenAIServingError,
     ServerContext,
     error_body,
-)
-from vllm.entrypoints.openai.serving_models import show_available_models
-from vllm.entrypoints.openai.serving_tokenization import (
-    DetokenizeRequest,
-    OpenAIServingTokenization,
-    TokenizeRequest,
 )
 from vllm.logger import init_logger
 from vllm.multimodal.image import ImageMediaConnector
@@ -153,7 +148,7 @@ def build_server_context(args: argparse.Namespace, engine: AsyncLLMEngine) -> Se
         served_model_names=names,
         model_root=str(args.model or mc.model),
         media=media_connector(args, limits),
-        metrics=ServerMetrics(engine, names[0], mc.max_model_len),
+        metrics=ServerMetrics(engine, names[0]),
         chat_template=load_chat_template(args.chat_template),
         response_role=args.response_role,
         log_requests=bool(args.enable_log_requests),
@@ -161,50 +156,6 @@ def build_server_context(args: argparse.Namespace, engine: AsyncLLMEngine) -> Se
         limits=limits,
         max_token_chars=longest_token_chars(engine.get_tokenizer()),
     )
-
-
-def _add_routes(app: FastAPI, ctx: ServerContext) -> None:
-    chat = OpenAIServingChat(ctx)
-    completion = OpenAIServingCompletion(ctx)
-    tokenization = OpenAIServingTokenization(ctx)
-
-    @app.get("/health")
-    async def health() -> Response:
-        try:
-            await ctx.engine.check_health()
-        except EngineDeadError:
-            return Response(status_code=503)
-        return Response(status_code=200)
-
-    @app.get("/version")
-    async def version() -> dict[str, str]:
-        return {"version": __version__}
-
-    @app.get("/metrics")
-    async def metrics() -> Response:
-        return Response(ctx.metrics.render(), media_type=CONTENT_TYPE)
-
-    @app.get("/v1/models")
-    async def show_models() -> dict[str, Any]:
-        return show_available_models(ctx).model_dump()
-
-    @app.post("/v1/chat/completions")
-    async def create_chat_completion(
-        request: ChatCompletionRequest, raw_request: Request
-    ) -> Response:
-        return await chat.create_chat_completion(request, raw_request)
-
-    @app.post("/v1/completions")
-    async def create_completion(request: CompletionRequest, raw_request: Request) -> Response:
-        return await completion.create_completion(request, raw_request)
-
-    @app.post("/tokenize")
-    async def tokenize(request: TokenizeRequest) -> dict[str, Any]:
-        return (await tokenization.create_tokenize(request)).model_dump()
-
-    @app.post("/detokenize")
-    async def detokenize(request: DetokenizeRequest) -> dict[str, Any]:
-        return (await tokenization.create_detokenize(request)).model_dump()
 
 
 def build_app(args: argparse.Namespace, engine: AsyncLLMEngine) -> FastAPI:
@@ -221,8 +172,22 @@ def build_app(args: argparse.Namespace, engine: AsyncLLMEngine) -> FastAPI:
     ctx = build_server_context(args, engine)
     app.state.ctx = ctx
     _add_exception_handlers(app)
-    _add_routes(app, ctx)
+    add_routes(app, ctx)
     mc = engine.config.model_config
+    install_openapi(
+        app,
+        SchemaBounds(
+            vocab_size=mc.spec.text.vocab_size,
+            tokenizer_size=len(engine.get_tokenizer()),
+            max_model_len=mc.max_model_len,
+            max_prompts=ctx.limits.max_queued_requests,
+            max_logprobs=mc.max_logprobs,
+            max_num_seqs=engine.config.scheduler_config.max_num_seqs,
+            trust_request_chat_template=ctx.limits.trust_request_chat_template,
+            max_prompt_chars=mc.max_model_len * ctx.max_token_chars,
+            served_model_names=tuple(ctx.served_model_names),
+        ),
+    )
     request_limits = RequestLimits(
         max_model_len=mc.max_model_len,
         max_prompts=ctx.limits.max_queued_requests,
@@ -247,6 +212,8 @@ def build_app(args: argparse.Namespace, engine: AsyncLLMEngine) -> FastAPI:
         allow_methods=args.allowed_methods,
         allow_headers=args.allowed_headers,
     )
+    # Outermost: every answer counts, the 401s and 413s of the middleware above too.
+    app.add_middleware(HTTPMetricsMiddleware, metrics=ctx.metrics.http, routes=app.routes)
     return app
 
 

@@ -14,9 +14,17 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from vllm.entrypoints.openai.request_checks import REQUEST_LIMITS, RequestLimits
 from vllm.entrypoints.openai.serving_engine import error_body
 
-# Paths that need the key when one is set: the API, and the tokenizer endpoints (they run the
-# chat template). /health, /version and (unless asked) /metrics stay open for probes.
-PROTECTED_PREFIXES = ("/v1", "/tokenize", "/detokenize")
+# Paths that need the key when one is set: the API (SageMaker's /invocations too), and the
+# tokenizer endpoints (they run the chat template). /health, /ping, /version and (unless
+# asked) /metrics stay open for probes.
+PROTECTED_PREFIXES = ("/v1", "/invocations", "/tokenize", "/detokenize")
+UNAUTHORIZED = "Unauthorized: send 'Authorization: Bearer <key>' with the server's API key."
+
+
+def unauthorized() -> JSONResponse:
+    """The 401: OpenAI's error body, and the scheme the client should use."""
+    body = error_body(UNAUTHORIZED, "AuthenticationError", 401)
+    return JSONResponse(body, 401, headers={"WWW-Authenticate": "Bearer"})
 
 
 class APIKeyMiddleware:
@@ -58,7 +66,7 @@ class APIKeyMiddleware:
         matches = [hmac.compare_digest(given, key) for key in self.expected]
         if any(matches):
             return await self.app(scope, receive, send)
-        await JSONResponse({"error": "Unauthorized"}, status_code=401)(scope, receive, send)
+        await unauthorized()(scope, receive, send)
 
 
 class BodySizeLimitMiddleware:

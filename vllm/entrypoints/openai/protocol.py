@@ -7,12 +7,47 @@ fields default to ``None`` here: only the fields a client actually sent reach
 
 from __future__ import annotations
 
-import time
-import uuid
-from typing import Any, ClassVar, Literal
+from typing import Annotated, Any, ClassVar
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    field_validator,
+    model_validator,
+)
 
+from vllm.entrypoints.openai.json_types import (
+    X_BOUND,
+    Bool,
+    Float,
+    Int,
+    PromptText,
+    TokenId,
+    TokenIds,
+    bounded_int,
+    is_token_ids,
+)
+from vllm.entrypoints.openai.protocol_responses import (
+    ChatCompletionLogProb,
+    ChatCompletionLogProbs,
+    ChatCompletionLogProbsContent,
+    ChatCompletionResponse,
+    ChatCompletionResponseChoice,
+    ChatCompletionResponseStreamChoice,
+    ChatCompletionStreamResponse,
+    ChatMessage,
+    CompletionLogProbs,
+    CompletionResponse,
+    CompletionResponseChoice,
+    CompletionResponseStreamChoice,
+    CompletionStreamResponse,
+    DeltaMessage,
+    ErrorInfo,
+    ErrorResponse,
+    UsageInfo,
+    random_id,
+)
 from vllm.entrypoints.openai.request_checks import (
     NO_LIMITS,
     REQUEST_LIMITS,
@@ -24,6 +59,38 @@ from vllm.entrypoints.openai.request_checks import (
     too_long,
 )
 from vllm.sampling_params import MAX_STOP_CHARS, MAX_STOP_STRINGS
+
+# The request bodies, and the response bodies of protocol_responses.py (vLLM's protocol module
+# holds both).
+__all__ = [
+    "GUIDED_FIELDS",
+    "INT64_MAX",
+    "INT64_MIN",
+    "LOGIT_BIAS_LIMIT",
+    "SAMPLING_FIELDS",
+    "ChatCompletionLogProb",
+    "ChatCompletionLogProbs",
+    "ChatCompletionLogProbsContent",
+    "ChatCompletionRequest",
+    "ChatCompletionResponse",
+    "ChatCompletionResponseChoice",
+    "ChatCompletionResponseStreamChoice",
+    "ChatCompletionStreamResponse",
+    "ChatMessage",
+    "CompletionLogProbs",
+    "CompletionRequest",
+    "CompletionResponse",
+    "CompletionResponseChoice",
+    "CompletionResponseStreamChoice",
+    "CompletionStreamResponse",
+    "DeltaMessage",
+    "ErrorInfo",
+    "ErrorResponse",
+    "OpenAIBaseModel",
+    "StreamOptions",
+    "UsageInfo",
+    "random_id",
+]
 
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
 # OpenAI's (and vLLM's) range for logit_bias values: larger ones are clamped to it.
@@ -62,10 +129,6 @@ GUIDED_FIELDS = (
     "guided_grammar",
     "structured_outputs",
 )
-
-
-def random_id(prefix: str) -> str:
-    return f"{prefix}-{uuid.uuid4().hex}"
 
 
 class OpenAIBaseModel(BaseModel):
@@ -108,35 +171,11 @@ class OpenAIBaseModel(BaseModel):
         return sorted(self.model_extra or {})
 
 
-class ErrorInfo(BaseModel):
-    """The ``error`` object of an error body."""
-
-    message: str
-    type: str
-    param: str | None = None
-    code: int
-
-
-class ErrorResponse(BaseModel):
-    """vLLM >= 0.10.1 / OpenAI error body: ``{"error": {...}}``."""
-
-    error: ErrorInfo
-
-
 class StreamOptions(OpenAIBaseModel):
     """``stream_options``: the usage chunk (``include_usage`` defaults to true)."""
 
-    include_usage: bool | None = True
-    continuous_usage_stats: bool | None = False
-
-
-class UsageInfo(BaseModel):
-    """Token counts of a response (prompt = the decoder prompt, see serving_chat)."""
-
-    prompt_tokens: int = 0
-    total_tokens: int = 0
-    completion_tokens: int | None = 0
-    prompt_tokens_details: dict[str, int] | None = None
+    include_usage: Bool | None = True
+    continuous_usage_stats: Bool | None = False
 
 
 class _SamplingRequest(OpenAIBaseModel):
@@ -149,36 +188,45 @@ class _SamplingRequest(OpenAIBaseModel):
     )
 
     model: str | None = None
-    frequency_penalty: float | None = None
-    presence_penalty: float | None = None
-    logit_bias: dict[str, float] | None = None
-    n: int | None = None
-    seed: int | None = Field(default=None, ge=INT64_MIN, le=INT64_MAX)
+    frequency_penalty: Float | None = None
+    presence_penalty: Float | None = None
+    logit_bias: dict[str, Float] | None = None
+    n: Int | None = None
+    seed: bounded_int(ge=INT64_MIN, le=INT64_MAX) | None = None
     stop: str | list[str] | None = None
-    stream: bool | None = False
+    stream: Bool | None = False
     stream_options: StreamOptions | None = None
-    temperature: float | None = None
-    top_p: float | None = None
+    temperature: Float | None = None
+    top_p: Float | None = None
     user: str | None = None
     response_format: dict[str, Any] | None = None
     # vLLM extensions (``extra_body`` in the openai SDK)
-    best_of: int | None = None
-    use_beam_search: bool = False
-    top_k: int | None = None
-    min_p: float | None = None
-    repetition_penalty: float | None = None
-    stop_token_ids: list[int] | None = None
-    include_stop_str_in_output: bool | None = None
-    ignore_eos: bool | None = None
-    min_tokens: int | None = None
-    skip_special_tokens: bool | None = None
-    spaces_between_special_tokens: bool | None = None
-    truncate_prompt_tokens: int | None = Field(default=None, ge=1)
-    prompt_logprobs: int | None = None
-    allowed_token_ids: list[int] | None = None
+    best_of: Int | None = None
+    use_beam_search: Bool = False
+    top_k: Int | None = None
+    min_p: Float | None = None
+    repetition_penalty: Float | None = None
+    stop_token_ids: list[TokenId] | None = None
+    include_stop_str_in_output: Bool | None = None
+    ignore_eos: Bool | None = None
+    min_tokens: Int | None = None
+    skip_special_tokens: Bool | None = None
+    spaces_between_special_tokens: Bool | None = None
+    truncate_prompt_tokens: bounded_int(ge=1) | None = None
+    prompt_logprobs: Int | None = None
+    allowed_token_ids: list[TokenId] | None = None
     bad_words: list[str] | None = None
     request_id: str | None = None
-    priority: int = 0
+    priority: Int = 0
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _check_logit_bias_keys(cls, value: dict[str, float] | None) -> dict[str, float] | None:
+        """Keys are token ids written in decimal (``int()`` alone would also take " 5")."""
+        for key in value or ():
+            if not (key.isascii() and key.isdigit()):
+                raise ValueError(f"keys must be token ids (decimal integers), got {key!r}.")
+        return value
 
     @model_validator(mode="after")
     def _check_stream_options(self) -> _SamplingRequest:
@@ -204,6 +252,16 @@ class _SamplingRequest(OpenAIBaseModel):
     @classmethod
     def _check_lengths(cls, data: dict[str, Any], limits: RequestLimits) -> None:
         super()._check_lengths(data, limits)
+        limit = limits.max_model_len
+        for name in ("max_tokens", "max_completion_tokens"):
+            value = data.get(name)
+            if limit is not None and type(value) is int and value >= limit:
+                # Whatever the prompt: it has at least one token (the schema's maximum).
+                raise ValueError(
+                    f"This model's maximum context length is {limit} tokens. However, you "
+                    f"requested {value} tokens in the completion ({name}), and the prompt "
+                    "takes at least one. Please reduce the length of the completion."
+                )
         for name in ("stop", "bad_words"):
             value = data.get(name)
             if isinstance(value, list) and len(value) > MAX_STOP_STRINGS:
@@ -254,18 +312,20 @@ class ChatCompletionRequest(_SamplingRequest):
         if limits.max_model_len is not None:
             check_content_parts(data.get("messages"), limits.max_model_len)
 
-    messages: list[dict[str, Any]]
-    logprobs: bool | None = False
-    top_logprobs: int | None = None
-    max_tokens: int | None = Field(default=None, description="Deprecated: max_completion_tokens")
-    max_completion_tokens: int | None = None
+    messages: list[dict[str, Any]] = Field(min_length=1)
+    logprobs: Bool | None = False
+    top_logprobs: Int | None = None
+    max_tokens: bounded_int(ge=1) | None = Field(
+        default=None, description="Deprecated: max_completion_tokens"
+    )
+    max_completion_tokens: bounded_int(ge=1) | None = None
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = "none"
-    parallel_tool_calls: bool | None = None
-    echo: bool = False
-    add_generation_prompt: bool = True
-    continue_final_message: bool = False
-    add_special_tokens: bool = False
+    parallel_tool_calls: Bool | None = None
+    echo: Bool = False
+    add_generation_prompt: Bool = True
+    continue_final_message: Bool = False
+    add_special_tokens: Bool = False
     chat_template: str | None = None
     chat_template_kwargs: dict[str, Any] | None = None
     mm_processor_kwargs: dict[str, Any] | None = None
@@ -280,7 +340,9 @@ class ChatCompletionRequest(_SamplingRequest):
         return self
 
     def requested_max_tokens(self) -> int | None:
-        return self.max_completion_tokens or self.max_tokens
+        if self.max_completion_tokens is not None:
+            return self.max_completion_tokens
+        return self.max_tokens
 
     def requested_logprobs(self) -> int | None:
         return (self.top_logprobs or 0) if self.logprobs else None
@@ -317,12 +379,36 @@ class CompletionRequest(_SamplingRequest):
             for i, p in enumerate(prompt if batch else [prompt]):
                 check_tokens(f"prompt[{i}]" if batch else "prompt", p, limits.max_model_len)
 
-    prompt: str | list[str] | list[int] | list[list[int]]
-    echo: bool | None = False
-    logprobs: int | None = Field(default=None, ge=0)
-    max_tokens: int | None = 16
+    prompt: (
+        PromptText
+        | Annotated[list[PromptText], Field(min_length=1, json_schema_extra={X_BOUND: "prompts"})]
+        | TokenIds
+        | Annotated[list[TokenIds], Field(min_length=1, json_schema_extra={X_BOUND: "prompts"})]
+    )
+    echo: Bool | None = False
+    logprobs: bounded_int(ge=0) | None = None
+    # 0 with echo: the prompt scored, nothing generated (loglikelihood).
+    max_tokens: bounded_int(ge=0) | None = 16
     suffix: str | None = None
-    add_special_tokens: bool = True
+    add_special_tokens: Bool = True
+
+    @field_validator("prompt", mode="before")
+    @classmethod
+    def _check_prompt(cls, value: Any) -> Any:
+        """One message for every malformed prompt (pydantic's would list each union member)."""
+        if isinstance(value, str):
+            return value
+        if isinstance(value, list) and value:
+            if all(isinstance(p, str) for p in value):
+                return value
+            if all(is_token_ids(p) for p in value) or is_token_ids(value):
+                return value
+        if value == [] or (isinstance(value, list) and [] in value):
+            raise ValueError("The prompt must not be empty.")
+        raise ValueError(
+            "prompt must be a string, a list of strings, a list of token ids (integers) or a "
+            "list of lists of token ids."
+        )
 
     def unsupported_feature(self) -> str | None:
         found = super().unsupported_feature()
@@ -330,142 +416,4 @@ class CompletionRequest(_SamplingRequest):
             return found
         if self.suffix:
             return "suffix"
-        if self.echo and (self.logprobs is not None or self.stream):
-            return "echo with logprobs or stream"
         return None
-
-
-class ChatMessage(BaseModel):
-    """A generated chat message."""
-
-    role: str
-    content: str | None = None
-    tool_calls: list[dict[str, Any]] = Field(default_factory=list)
-    reasoning_content: str | None = None
-
-
-class ChatCompletionLogProb(BaseModel):
-    """A token and its log-probability."""
-
-    token: str
-    logprob: float = -9999.0
-    bytes: list[int] | None = None
-
-
-class ChatCompletionLogProbsContent(ChatCompletionLogProb):
-    """A generated token with its most likely alternatives."""
-
-    top_logprobs: list[ChatCompletionLogProb] = Field(default_factory=list)
-
-
-class ChatCompletionLogProbs(BaseModel):
-    """Chat ``logprobs``: one entry per generated token."""
-
-    content: list[ChatCompletionLogProbsContent] | None = None
-
-
-class ChatCompletionResponseChoice(BaseModel):
-    """One choice of a non-streamed chat completion."""
-
-    index: int
-    message: ChatMessage
-    logprobs: ChatCompletionLogProbs | None = None
-    finish_reason: str | None = "stop"
-    stop_reason: int | str | None = None
-
-
-class ChatCompletionResponse(BaseModel):
-    """``POST /v1/chat/completions`` body (non-streamed)."""
-
-    id: str = Field(default_factory=lambda: random_id("chatcmpl"))
-    object: Literal["chat.completion"] = "chat.completion"
-    created: int = Field(default_factory=lambda: int(time.time()))
-    model: str
-    choices: list[ChatCompletionResponseChoice]
-    usage: UsageInfo
-    prompt_logprobs: list[dict[int, dict[str, Any]] | None] | None = None
-
-
-class DeltaMessage(BaseModel):
-    """The new part of a streamed message."""
-
-    role: str | None = None
-    content: str | None = None
-
-
-class ChatCompletionResponseStreamChoice(BaseModel):
-    """One choice of a chat stream chunk."""
-
-    index: int
-    delta: DeltaMessage
-    logprobs: ChatCompletionLogProbs | None = None
-    finish_reason: str | None = None
-    stop_reason: int | str | None = None
-
-
-class ChatCompletionStreamResponse(BaseModel):
-    """One SSE chunk of a streamed chat completion."""
-
-    id: str
-    object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
-    created: int
-    model: str
-    choices: list[ChatCompletionResponseStreamChoice]
-    usage: UsageInfo | None = None
-
-
-class CompletionLogProbs(BaseModel):
-    """Legacy completions ``logprobs`` (parallel lists per token)."""
-
-    text_offset: list[int] = Field(default_factory=list)
-    token_logprobs: list[float | None] = Field(default_factory=list)
-    tokens: list[str] = Field(default_factory=list)
-    top_logprobs: list[dict[str, float] | None] = Field(default_factory=list)
-
-    def model_post_init(self, context: Any, /) -> None:
-        # The lists are filled in place after construction; count them as set so that stream
-        # chunks (dumped with ``exclude_unset``) keep them instead of sending ``{}``.
-        self.__pydantic_fields_set__.update(type(self).model_fields)
-
-
-class CompletionResponseChoice(BaseModel):
-    """One choice of a non-streamed completion."""
-
-    index: int
-    text: str
-    logprobs: CompletionLogProbs | None = None
-    finish_reason: str | None = None
-    stop_reason: int | str | None = None
-    prompt_logprobs: list[dict[int, dict[str, Any]] | None] | None = None
-
-
-class CompletionResponse(BaseModel):
-    """``POST /v1/completions`` body (non-streamed)."""
-
-    id: str = Field(default_factory=lambda: random_id("cmpl"))
-    object: Literal["text_completion"] = "text_completion"
-    created: int = Field(default_factory=lambda: int(time.time()))
-    model: str
-    choices: list[CompletionResponseChoice]
-    usage: UsageInfo
-
-
-class CompletionResponseStreamChoice(BaseModel):
-    """One choice of a completion stream chunk."""
-
-    index: int
-    text: str
-    logprobs: CompletionLogProbs | None = None
-    finish_reason: str | None = None
-    stop_reason: int | str | None = None
-
-
-class CompletionStreamResponse(BaseModel):
-    """One SSE chunk of a streamed completion."""
-
-    id: str
-    object: Literal["text_completion"] = "text_completion"
-    created: int
-    model: str
-    choices: list[CompletionResponseStreamChoice]
-    usage: UsageInfo | None = None

@@ -293,8 +293,6 @@ class OpenAIServingChat(OpenAIServing):
                                 stop_reason=c.stop_reason,
                             )
                         )
-                    if out.finished:
-                        self.ctx.metrics.observe_finished(out)
             if include_usage:
                 yield chunk(None)
         except Exception as e:
@@ -302,9 +300,12 @@ class OpenAIServingChat(OpenAIServing):
         yield SSE_DONE
 
 
-def prompt_logprobs_json(out: RequestOutput) -> list[dict[int, dict[str, Any]] | None] | None:
+def prompt_logprobs_json(
+    out: RequestOutput, num_top: int | None = None
+) -> list[dict[int, dict[str, Any]] | None] | None:
     """vLLM's ``prompt_logprobs`` shape: per prompt token, ``{token_id: {logprob, rank,
-    decoded_token}}`` (``None`` for the first token)."""
+    decoded_token}}`` (``None`` for the first token); with ``num_top``, the prompt token and
+    that many of the most likely ones (the engine may have computed more)."""
     if out.prompt_logprobs is None:
         return None
     return [
@@ -317,6 +318,7 @@ def prompt_logprobs_json(out: RequestOutput) -> list[dict[int, dict[str, Any]] |
                 "decoded_token": lp.decoded_token,
             }
             for tid, lp in step.items()
+            if num_top is None or tid == target or (lp.rank or 0) <= num_top
         }
-        for step in out.prompt_logprobs
+        for target, step in zip(out.prompt_token_ids, out.prompt_logprobs, strict=False)
     ]

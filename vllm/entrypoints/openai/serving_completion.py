@@ -3,6 +3,13 @@
 Each prompt is its own engine request; choice ``index`` is ``prompt_index * n + sample_index``
 as in vLLM. Every prompt is tokenized, length-checked and processed before any of them starts,
 so a bad prompt in a batch fails the whole call with a 400 and runs nothing.
+
+Loglikelihood scoring (lm-evaluation-harness and the like): ``echo`` with ``logprobs=k`` puts
+the prompt's tokens in front of the generated ones, each with its logprob and the ``k`` most
+likely tokens (the first prompt token has none: ``None``, as in vLLM); ``max_tokens=0``
+generates nothing, so the choice is the prompt alone. The prompt logprobs are the engine's
+``prompt_logprobs`` (computed with the prefill, on the device), also returned on their own, in
+vLLM's shape, when the request asks for ``prompt_logprobs``.
 """
 
 from __future__ import annotations
@@ -42,8 +49,12 @@ from vllm.entrypoints.openai.streaming import (
     merge_async_iterators,
     sse_event,
 )
-from vllm.outputs import CompletionOutput, RequestOutput
+from vllm.outputs import RequestOutput
 from vllm.sampling_params import SamplingParams
+from vllm.sequence import Logprob
+
+# OpenAI's JSON stand-in for a logprob of -inf.
+MIN_LOGPROB = -9999.0
 
 
 @dataclass
@@ -59,6 +70,44 @@ class _Prepared:
 def _close_all(tickets: list[QueueTicket]) -> None:
     for t in tickets:
         t.close()
+
+
+def top_entries(step: dict[int, Logprob], target: int, num_top: int) -> dict[int, Logprob]:
+    """One position's entries: its own token and the ``num_top`` most likely ones (a step may
+    hold more when ``prompt_logprobs`` asked for more than ``logprobs``)."""
+    return {t: lp for t, lp in step.items() if t == target or (lp.rank or 0) <= num_top}
+
+
+def append_logprobs(
+    out: CompletionLogProbs,
+    token_ids: list[int],
+    steps: list[dict[int, Logprob] | None],
+    num_top: int,
+    tokenizer: Any,
+    offset: int,
+) -> int:
+    """Appends one entry per token to the parallel lists; a ``None`` step (the first prompt
+    token) has no logprob and no alternatives. ``text_offset`` counts the tokens' texts from
+    ``offset``; returns the offset after the last token."""
+    for tid, step in zip(token_ids, steps, strict=False):
+        if step is None:
+            text = tokenizer.decode([tid])
+            out.token_logprobs.append(None)
+            out.top_logprobs.append(None)
+        else:
+            chosen = step.get(tid)
+            text = token_text(tid, chosen, tokenizer)
+            out.token_logprobs.append(max(chosen.logprob, MIN_LOGPROB) if chosen else None)
+            out.top_logprobs.append(
+                {
+                    token_text(t, lp, tokenizer): max(lp.logprob, MIN_LOGPROB)
+                    for t, lp in top_entries(step, tid, num_top).items()
+                }
+            )
+        out.tokens.append(text)
+        out.text_offset.append(offset)
+        offset += len(text)
+    return offset
 
 
 def _prompt_list(prompt: Any) -> list[str | list[int]]:
@@ -82,9 +131,11 @@ class OpenAIServingCompletion(OpenAIServing):
             for _ in prompts:  # each prompt is an engine request: a place in the queue each
                 tickets.append(self.reserve())
             prepared = [await self._prepare(request, p) for p in prompts]
-            n = prepared[0].params.n
+            # Prompt logprobs appear once per choice for echo, and once more when asked for.
+            echo_logprobs = bool(request.echo) and request.logprobs is not None
+            copies = prepared[0].params.n * (echo_logprobs + (request.prompt_logprobs is not None))
             self.check_logprob_entries(
-                sum(logprob_entries(p.params, len(p.token_ids), n) for p in prepared)
+                sum(logprob_entries(p.params, len(p.token_ids), copies) for p in prepared)
             )
             base_id = f"cmpl-{request.request_id}" if request.request_id else random_id("cmpl")
             engine_base = self.engine_request_id(base_id, bool(request.request_id))
@@ -119,6 +170,8 @@ class OpenAIServingCompletion(OpenAIServing):
         kwargs = request.sampling_kwargs()
         if request.logprobs is not None:
             kwargs["logprobs"] = request.logprobs
+            if request.echo:  # the echoed prompt's logprobs, with as many alternatives
+                kwargs["prompt_logprobs"] = max(kwargs.get("prompt_logprobs", 0), request.logprobs)
         params = self.sampling_params(
             kwargs, request.max_tokens, self.ctx.max_model_len - len(ids), bool(request.stream)
         )
@@ -127,22 +180,31 @@ class OpenAIServingCompletion(OpenAIServing):
             engine_prompt["prompt"] = text
         return _Prepared(text, ids, params, await self.process(engine_prompt))
 
-    def _logprobs(self, c: CompletionOutput, offset: int) -> CompletionLogProbs | None:
-        """Legacy completions logprobs; ``offset`` is where this text starts in the choice."""
-        if c.logprobs is None:
+    def _echo_text(self, request: CompletionRequest, prep: _Prepared) -> str:
+        """The prompt as echoed: the client's text, or its token ids decoded."""
+        if not request.echo:
+            return ""
+        return prep.text if prep.text is not None else self.ctx.tokenizer.decode(prep.token_ids)
+
+    def _logprobs(
+        self,
+        request: CompletionRequest,
+        final: RequestOutput,
+        token_ids: list[int],
+        steps: list[dict[int, Logprob]] | None,
+        offset: int,
+        echo: bool,
+    ) -> CompletionLogProbs | None:
+        """The choice's logprobs: the prompt's first when ``echo``, then the generated tokens
+        (``offset``: where their text starts in the choice)."""
+        if request.logprobs is None:
             return None
-        tok = self.ctx.tokenizer
+        tok, k = self.ctx.tokenizer, request.logprobs
         out = CompletionLogProbs()
-        for tid, step in zip(c.token_ids, c.logprobs, strict=False):
-            chosen = step.get(tid)
-            text = token_text(tid, chosen, tok)
-            out.tokens.append(text)
-            out.token_logprobs.append(max(chosen.logprob, -9999.0) if chosen else None)
-            out.top_logprobs.append(
-                {token_text(t, lp, tok): max(lp.logprob, -9999.0) for t, lp in step.items()}
-            )
-            out.text_offset.append(offset)
-            offset += len(text)
+        if echo:  # the prompt tokens' offsets count their texts from 0, as vLLM's do
+            prompt_steps = final.prompt_logprobs or [None] * len(final.prompt_token_ids)
+            append_logprobs(out, final.prompt_token_ids, prompt_steps, k, tok, 0)
+        append_logprobs(out, token_ids, list(steps or []), k, tok, offset)
         return out
 
     def _response(
@@ -156,23 +218,22 @@ class OpenAIServingCompletion(OpenAIServing):
         choices, num_prompt, num_generated = [], 0, 0
         for i, (final, prep) in enumerate(zip(finals, prepared, strict=True)):
             num_prompt += len(prep.token_ids)
-            prefix = ""
-            if request.echo:
-                prefix = (
-                    prep.text
-                    if prep.text is not None
-                    else self.ctx.tokenizer.decode(prep.token_ids)
-                )
+            prefix = self._echo_text(request, prep)
+            asked = request.prompt_logprobs
+            prompt_lps = None if asked is None else prompt_logprobs_json(final, asked)
             for c in final.outputs:
                 num_generated += len(c.token_ids)
+                logprobs = self._logprobs(
+                    request, final, c.token_ids, c.logprobs, len(prefix), request.echo
+                )
                 choices.append(
                     CompletionResponseChoice(
                         index=i * prep.params.n + c.index,
                         text=prefix + c.text,
-                        logprobs=self._logprobs(c, len(prefix)),
+                        logprobs=logprobs,
                         finish_reason=c.finish_reason,
                         stop_reason=c.stop_reason,
-                        prompt_logprobs=prompt_logprobs_json(final),
+                        prompt_logprobs=prompt_lps,
                     )
                 )
         usage = UsageInfo(
@@ -198,6 +259,7 @@ class OpenAIServingCompletion(OpenAIServing):
         generated: dict[int, int] = {}
         offsets: dict[int, int] = {}
         done: set[int] = set()
+        echoed: set[int] = set()
 
         def usage() -> UsageInfo:
             total = sum(generated.values())
@@ -223,23 +285,27 @@ class OpenAIServingCompletion(OpenAIServing):
                             continue
                         generated[index] = generated.get(index, 0) + len(c.token_ids)
                         has_logprobs = c.logprobs is not None and len(c.token_ids) > 0
-                        if c.finish_reason is None and not c.text and not has_logprobs:
+                        echo = request.echo and index not in echoed  # with the first chunk
+                        if c.finish_reason is None and not (c.text or has_logprobs or echo):
                             continue
                         if c.finish_reason is not None:
                             done.add(index)
-                        logprobs = self._logprobs(c, offsets.get(index, 0))
-                        offsets[index] = offsets.get(index, 0) + len(c.text)
+                        prefix = self._echo_text(request, prepared[i]) if echo else ""
+                        echoed.add(index)
+                        start = offsets.get(index, 0) + len(prefix)
+                        logprobs = self._logprobs(
+                            request, out, c.token_ids, c.logprobs, start, echo
+                        )
+                        offsets[index] = start + len(c.text)
                         yield chunk(
                             CompletionResponseStreamChoice(
                                 index=index,
-                                text=c.text,
+                                text=prefix + c.text,
                                 logprobs=logprobs,
                                 finish_reason=c.finish_reason,
                                 stop_reason=c.stop_reason,
                             )
                         )
-                    if out.finished:
-                        self.ctx.metrics.observe_finished(out)
             if include_usage:
                 yield chunk(None)
         except Exception as e:

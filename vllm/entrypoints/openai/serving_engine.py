@@ -352,7 +352,6 @@ class OpenAIServing:
                     final = out
             if final is None:
                 raise RuntimeError("the engine finished a request without output")
-            self.ctx.metrics.observe_finished(final)
             return final
 
         async def run_all() -> list[RequestOutput]:

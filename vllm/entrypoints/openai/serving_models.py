@@ -1,4 +1,5 @@
-"""``GET /v1/models``: the served model names, in vLLM's model-card shape."""
+"""``GET /v1/models`` and ``GET /v1/models/{id}``: the served model names, in vLLM's
+model-card shape (an id may hold slashes: ``meta-llama/Llama-3.2-11B-Vision-Instruct``)."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ import time
 from pydantic import BaseModel, Field
 
 from vllm.entrypoints.openai.protocol import random_id
-from vllm.entrypoints.openai.serving_engine import ServerContext
+from vllm.entrypoints.openai.serving_engine import OpenAIServingError, ServerContext
 
 
 class ModelPermission(BaseModel):
@@ -47,15 +48,24 @@ class ModelList(BaseModel):
     data: list[ModelCard] = Field(default_factory=list)
 
 
+def _card(ctx: ServerContext, name: str) -> ModelCard:
+    return ModelCard(
+        id=name,
+        root=ctx.model_root,
+        max_model_len=ctx.max_model_len,
+        permission=[ModelPermission()],
+    )
+
+
 def show_available_models(ctx: ServerContext) -> ModelList:
     """One card per served name (all backed by the same model)."""
-    cards = [
-        ModelCard(
-            id=name,
-            root=ctx.model_root,
-            max_model_len=ctx.max_model_len,
-            permission=[ModelPermission()],
+    return ModelList(data=[_card(ctx, name) for name in ctx.served_model_names])
+
+
+def show_model(ctx: ServerContext, name: str) -> ModelCard:
+    """The card of one served name; 404 (the error of any request naming it) otherwise."""
+    if name not in ctx.served_model_names:
+        raise OpenAIServingError(
+            f"The model `{name}` does not exist.", 404, "NotFoundError", "model"
         )
-        for name in ctx.served_model_names
-    ]
-    return ModelList(data=cards)
+    return _card(ctx, name)

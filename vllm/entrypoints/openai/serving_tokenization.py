@@ -7,22 +7,26 @@ The chat form renders the messages with the chat template exactly as a chat comp
 from __future__ import annotations
 
 import asyncio
-from typing import Any, ClassVar
+from typing import Annotated, Any, ClassVar
 
-from pydantic import BaseModel
+from pydantic import BaseModel, Field
 
 from vllm.entrypoints.chat_utils import parse_conversation, render_chat_prompt
+from vllm.entrypoints.openai.json_types import X_BOUND, Bool, Int, PromptText
 from vllm.entrypoints.openai.protocol import OpenAIBaseModel
 from vllm.entrypoints.openai.serving_engine import OpenAIServing, bad_request
+
+# Any id the tokenizer knows (special tokens and <|image|> included), as /detokenize takes.
+TokenizerId = Annotated[Int, Field(json_schema_extra={X_BOUND: "tokenizer_id"})]
 
 
 class TokenizeCompletionRequest(OpenAIBaseModel):
     """``POST /tokenize`` with a prompt."""
 
     model: str | None = None
-    prompt: str
-    add_special_tokens: bool = True
-    return_token_strs: bool | None = False
+    prompt: PromptText
+    add_special_tokens: Bool = True
+    return_token_strs: Bool | None = False
 
 
 class TokenizeChatRequest(OpenAIBaseModel):
@@ -31,11 +35,11 @@ class TokenizeChatRequest(OpenAIBaseModel):
     _token_list_fields: ClassVar[tuple[str, ...]] = ("messages",)
 
     model: str | None = None
-    messages: list[dict[str, Any]]
-    add_generation_prompt: bool = True
-    continue_final_message: bool = False
-    add_special_tokens: bool = False
-    return_token_strs: bool | None = False
+    messages: list[dict[str, Any]] = Field(min_length=1)
+    add_generation_prompt: Bool = True
+    continue_final_message: Bool = False
+    add_special_tokens: Bool = False
+    return_token_strs: Bool | None = False
     chat_template: str | None = None
     chat_template_kwargs: dict[str, Any] | None = None
 
@@ -58,7 +62,7 @@ class DetokenizeRequest(OpenAIBaseModel):
     _token_list_fields: ClassVar[tuple[str, ...]] = ("tokens",)
 
     model: str | None = None
-    tokens: list[int]
+    tokens: Annotated[list[TokenizerId], Field(json_schema_extra={X_BOUND: "tokens"})]
 
 
 class DetokenizeResponse(BaseModel):

@@ -1,7 +1,8 @@
 """``vllm bench serve``: load an OpenAI-compatible server and measure TTFT, TPOT, ITL, E2EL.
 
 Requests come from a seeded synthetic dataset mixing text-only and image requests
-(``serve_client.py``). They are dispatched at Poisson (or gamma, ``--burstiness``) arrival
+(``serve_client.py``), or from ``--dataset-name`` (``datasets.py``: ``random``, ``random-mm``,
+or a local ShareGPT file). They are dispatched at Poisson (or gamma, ``--burstiness``) arrival
 times for ``--request-rate`` requests/s (``inf``: all at once), optionally capped at
 ``--max-concurrency`` in flight, each streamed over SSE and timed on arrival of every chunk.
 Metric definitions are in ``serve_metrics.py``. Only the server the user names is contacted
@@ -21,13 +22,18 @@ import httpx
 
 from vllm import envs
 from vllm.entrypoints.cli.benchmark.common import args_record, write_json
+from vllm.entrypoints.cli.benchmark.datasets import (
+    DATASET_NAMES,
+    IMAGE_RATIOS,
+    build_requests,
+    local_file,
+)
 from vllm.entrypoints.cli.benchmark.serve_client import (
     CHAT_ENDPOINT,
     COMPLETIONS_ENDPOINT,
     build_payload,
     encode_payload,
     send_request,
-    synthetic_dataset,
 )
 from vllm.entrypoints.cli.benchmark.serve_metrics import (
     RequestResult,
@@ -73,7 +79,23 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
     srv.add_argument(
         "--request-timeout", type=float, default=6 * 3600, help="Seconds a single request may take."
     )
-    data = parser.add_argument_group("synthetic dataset")
+    data = parser.add_argument_group("dataset")
+    data.add_argument(
+        "--dataset-name",
+        choices=DATASET_NAMES,
+        default=None,
+        help="random: synthetic text; random-mm: synthetic text with noise images; sharegpt: "
+        "a local ShareGPT file (--dataset-path). Default: random-mm with --image-ratio 0.5.",
+    )
+    data.add_argument(
+        "--dataset-path", default=None, help="The dataset file (sharegpt); local files only."
+    )
+    data.add_argument(
+        "--sharegpt-output-len",
+        type=int,
+        default=None,
+        help="max_tokens of every sharegpt request (default: its answer's length in tokens).",
+    )
     data.add_argument("--num-prompts", type=int, default=1000, help="Requests to send.")
     data.add_argument(
         "--input-len",
@@ -107,10 +129,18 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
     data.add_argument(
         "--image-ratio",
         type=float,
-        default=0.5,
-        help="Fraction of requests with images (chat endpoint only).",
+        default=None,
+        help="Fraction of requests with images (chat endpoint only; default 0.5, random 0, "
+        "random-mm 1).",
     )
-    data.add_argument("--num-images", type=int, default=1, help="Images per image request.")
+    data.add_argument(
+        "--num-images",
+        "--random-mm-base-items-per-request",
+        dest="num_images",
+        type=int,
+        default=1,
+        help="Images per image request.",
+    )
     data.add_argument(
         "--image-size",
         type=int,
@@ -155,7 +185,24 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
     out.add_argument("--disable-tqdm", action="store_true", help="No progress bar.")
 
 
+def _check_dataset(args: argparse.Namespace) -> None:
+    """The dataset flags agree; ``image_ratio`` gets the dataset's default."""
+    name = args.dataset_name
+    if args.image_ratio is None:
+        args.image_ratio = IMAGE_RATIOS.get(name, 0.0)
+    if name == "sharegpt":
+        local_file(args.dataset_path)
+        if args.sharegpt_output_len is not None and args.sharegpt_output_len < 1:
+            raise ValueError("--sharegpt-output-len must be >= 1")
+    elif args.dataset_path is not None:
+        which = name or "the default"
+        raise ValueError(f"--dataset-path is for --dataset-name sharegpt, not {which}")
+    if name == "random" and args.image_ratio > 0:
+        raise ValueError("--dataset-name random is text only; use random-mm for images")
+
+
 def _check_args(args: argparse.Namespace) -> None:
+    _check_dataset(args)
     if args.num_prompts < 1:
         raise ValueError(f"--num-prompts must be >= 1, got {args.num_prompts}")
     if args.input_len < 1 or args.output_len < 1:
@@ -250,16 +297,7 @@ async def benchmark(args: argparse.Namespace) -> dict[str, Any]:
     # trust_env=False: no proxy from the environment ever sees the traffic.
     async with httpx.AsyncClient(timeout=timeout, limits=limits, trust_env=False) as client:
         model = args.model or await discover_model(client, base_url)
-        requests = synthetic_dataset(
-            args.num_prompts,
-            args.input_len,
-            args.output_len,
-            args.image_ratio,
-            args.num_images,
-            args.image_size,
-            args.seed,
-            range_ratio=args.range_ratio,
-        )
+        requests = await build_requests(args, client, base_url, model, _headers())
         endpoint = api_url[len(base_url) :]
         bodies = [
             encode_payload(build_payload(r, endpoint, model, args.ignore_eos)) for r in requests
