@@ -49,12 +49,37 @@ def test_dequantized_tile_is_bitwise_dequantize_4bit(shards, k, qt, bs, nested, 
     assert same_bits(fmt.dequantize(layer, dtype), ref)  # the torch path, the same values
 
 
+@pytest.mark.parametrize(("shards", "k", "qt", "bs", "nested", "dtype"), CASES)
+@pytest.mark.parametrize("use_dot", [True, False])
+def test_gemm_tile_is_bitwise_dequantize_4bit(shards, k, qt, bs, nested, dtype, use_dot) -> None:
+    """The GEMM's own dequantized weights, seen through one-hot inputs (each output is then
+    one exact product, 1 x w): ``dequantize_4bit``'s values bitwise, for every format."""
+    layer, ref = bnb_layer(shards, k, qt, bs, nested, dtype)
+    qw = layer.fmt.quantized_weight(layer)
+    cols = torch.tensor([0, 1, bs - 1, bs, k // 2 + 1, k - 1])
+    x = torch.zeros(len(cols), k, dtype=dtype)
+    x[torch.arange(len(cols)), cols] = 1
+    cfg = Nf4Config(16, 32, split_k=2 if (k // bs) % 2 == 0 else 1, use_dot=use_dot)
+    if not use_dot:
+        cfg = Nf4Config(2, 32, use_dot=False)
+    y = nf4_gemm.nf4_gemm(x.to(DEVICE), qw, cfg)
+    assert same_bits(y, ref[:, cols].T.contiguous())
+
+
+GEMM_CONFIGS = [
+    Nf4Config(16, 32, num_stages=2),  # tensor cores, one block per iteration
+    Nf4Config(32, 64, blocks_per_iter=2, num_stages=2),
+    Nf4Config(16, 32, split_k=2, num_stages=2),  # K split, partial sums reduced
+    Nf4Config(2, 32, blocks_per_iter=2, use_dot=False, num_stages=2),  # CUDA-core sums
+    Nf4Config(4, 64, split_k=4, use_dot=False, num_stages=2),
+]
+
+
 @pytest.mark.parametrize("m", [1, 3, 16, 21])
-@pytest.mark.parametrize(
-    "cfg", [Nf4Config(16, 32, 128, num_stages=2), Nf4Config(32, 64, 64, num_stages=2)]
-)
+@pytest.mark.parametrize("cfg", GEMM_CONFIGS, ids=str)
 def test_gemm_matches_dequantize_and_matmul(m: int, cfg: Nf4Config) -> None:
-    """Rows below, at and above the row block; N (176) not a multiple of the column block."""
+    """Rows below, at and above the row block; N (176) not a multiple of the column block;
+    tensor-core and CUDA-core sums, with and without a K split."""
     layer, ref = bnb_layer([80, 48, 48], 256, seed=m)
     x = torch.randn(m, 256, generator=torch.Generator().manual_seed(m)).to(DEVICE, torch.bfloat16)
     y = nf4_gemm.nf4_gemm(x, layer.fmt.quantized_weight(layer), cfg)
@@ -69,21 +94,27 @@ def test_fp16_gemm_and_float32_out() -> None:
     layer, ref = bnb_layer([96], 384, "fp4", 128, False, torch.float16)
     qw = layer.fmt.quantized_weight(layer)
     x = torch.randn(5, 384).to(DEVICE, torch.float16)
-    cfg = Nf4Config(16, 32, 128, num_stages=2)
+    cfg = Nf4Config(16, 32, num_stages=2)
     out = torch.full((5, 96), float("nan"), device=DEVICE)
     nf4_gemm.nf4_gemm(x, qw, cfg, out=out)
     assert torch.equal(out, nf4_gemm.nf4_gemm(x, qw, cfg).float())
     torch.testing.assert_close(out, x.float() @ ref.float().T, rtol=2**-9, atol=1e-3)
 
 
-@pytest.mark.parametrize("m", [1, 17])
-def test_silu_epilogue_equals_gemm_then_silu_and_mul(m: int) -> None:
-    """gate|up with SiLU-and-multiply in the epilogue: bitwise the GEMM (same config) then
-    ``silu_and_mul``; close to the torch reference."""
+@pytest.mark.parametrize(
+    ("m", "cfg"),
+    [
+        (1, Nf4Config(16, 32, num_stages=2)),
+        (17, Nf4Config(16, 32, split_k=2, num_stages=2)),
+        (3, Nf4Config(4, 32, blocks_per_iter=2, split_k=2, use_dot=False, num_stages=2)),
+    ],
+)
+def test_silu_epilogue_equals_gemm_then_silu_and_mul(m: int, cfg: Nf4Config) -> None:
+    """gate|up with SiLU-and-multiply in the epilogue (in the split reduction with a K split):
+    bitwise the GEMM (same config) then ``silu_and_mul``; close to the torch reference."""
     layer, ref = bnb_layer([80, 80], 256, seed=m + 3)
     qw = layer.fmt.quantized_weight(layer)
     x = torch.randn(m, 256).to(DEVICE, torch.bfloat16)
-    cfg = Nf4Config(16, 32, 128, num_stages=2)
     y = nf4_gemm.nf4_gemm_silu(x, qw, cfg)
     assert y.shape == (m, 80) and torch.equal(y, silu_and_mul(nf4_gemm.nf4_gemm(x, qw, cfg)))
     w = ref.to(torch.bfloat16)

@@ -5,9 +5,15 @@ element in the high nibble), one scale per block of ``blocksize`` elements of a 
 index into the dynamic table plus a second-level scale per 256 blocks with double quantization,
 a float32 scale without). Each program dequantizes its weight tile in registers (code-table
 lookup, block scale, both in float32, then one rounding to the activation dtype: the values
-``bitsandbytes.functional.dequantize_4bit`` returns) and feeds it to ``tl.dot`` with float32
-accumulation, over the whole K (no split, one launch, a fixed reduction order per config), the
-row blocks sharing a weight tile scheduled next to each other as in ``skinny_gemm.py``.
+``bitsandbytes.functional.dequantize_4bit`` returns) one scale block at a time and multiplies
+it in, on tensor cores (``tl.dot``, float32 accumulation) or, for a few rows, as float32 sums
+on the CUDA cores. The block's even elements (high nibbles) and odd ones (low nibbles) are
+multiplied separately with the matching strided columns of x, so nibbles are never
+interleaved, and one lookup per byte (``byte_pairs``) yields both table values. Where the
+output tiles are too few to keep the memory system busy, K is split over programs whose
+float32 partial sums a second kernel adds in split order: a fixed reduction order per config,
+as the graph contract needs. Row blocks sharing a weight tile are scheduled next to each other
+as in ``skinny_gemm.py``.
 
 A fused layer (q|k|v, gate|up) is one matrix: its shards' rows are stacked, each shard keeping
 its own second-level scales and offset; ``shard_index`` ([S, 2]: first row, first second-level
@@ -21,18 +27,24 @@ on it); the decode GEMM is chosen per row bucket at load (``quantization/bitsand
 
 from __future__ import annotations
 
+import functools
+import json
+import re
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 import triton
 import triton.language as tl
 
 from vllm import envs
+from vllm.model_executor.layers.quantization.bnb_codec import byte_pairs
 from vllm.model_executor.layers.skinny_gemm import _dot_acc
 
 # Triton reads the flag when kernels are defined, so once at import is enough.
 _INTERPRETED = envs.TRITON_INTERPRET
+_TL_DTYPES = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}
 
 
 @dataclass(frozen=True)
@@ -47,6 +59,7 @@ class QuantizedWeight:
     nested_code: torch.Tensor | None = None  # float32 [256]
     shard_index: torch.Tensor | None = None  # int32 [S, 2]: first row, first group
     shard_offsets: torch.Tensor | None = None  # float32 [S]
+    pairs: torch.Tensor | None = None  # int64 [256]: ``byte_pairs(code)``, made once
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -128,42 +141,141 @@ def _dequant_tile(w_ptr, s_ptr, code_ptr, n2_ptr, nc_ptr, sh_ptr, off_ptr, rows,
 
 
 @triton.jit
-def _nf4_gemm_kernel(x_ptr, w_ptr, s_ptr, code_ptr, n2_ptr, nc_ptr, sh_ptr, off_ptr, y_ptr,
+def _epilogue(acc, acc_u, dt: tl.constexpr, out_dt: tl.constexpr, SILU_MUL: tl.constexpr):
+    # Rounded to the activation dtype first, like the reference (a 16-bit linear); with
+    # SILU_MUL silu(gate) * up, each rounded as the separate GEMM and ``silu_and_mul`` round.
+    if SILU_MUL:
+        g = acc.to(dt).to(tl.float32)
+        y = (g / (1.0 + tl.exp(-g)) * acc_u.to(dt).to(tl.float32)).to(out_dt)
+    else:
+        y = acc.to(dt).to(out_dt)
+    return y
+
+
+@triton.jit
+def _shard_of(sh_ptr, off_ptr, wrows, NUM_SHARDS: tl.constexpr):
+    # Per weight row: its shard's first row, first second-level scale and offset.
+    shard = tl.zeros_like(wrows)
+    for i in tl.static_range(1, NUM_SHARDS):
+        shard += (wrows >= tl.load(sh_ptr + 2 * i)).to(tl.int32)
+    return tl.load(sh_ptr + 2 * shard), tl.load(sh_ptr + 2 * shard + 1), tl.load(off_ptr + shard)
+
+
+@triton.jit
+def _block_product(acc, x_ptr, x_stride, rows, row_ok, w_ptr, s_ptr, pair_ptr, n2_ptr, nc_ptr,
+                   wrows, wrow_ok, start, base, offset, j,
+                   K: tl.constexpr, BLOCKSIZE: tl.constexpr, NESTED: tl.constexpr,
+                   USE_DOT: tl.constexpr, DOT_F32: tl.constexpr):
+    # acc += x[rows, block j] @ W[wrows, block j]^T, the block's weights dequantized here.
+    # The even elements of the block are the high nibbles, the odd ones the low nibbles: the
+    # product is x_even @ hi^T + x_odd @ lo^T, so the nibbles are never interleaved.
+    HALF: tl.constexpr = BLOCKSIZE // 2
+    kb: tl.constexpr = K // BLOCKSIZE
+    half = tl.arange(0, HALF)
+    x_ptrs = x_ptr + rows.to(tl.int64)[:, None] * x_stride + (j * BLOCKSIZE + 2 * half)[None, :]
+    xe = tl.load(x_ptrs, mask=row_ok[:, None], other=0.0)
+    xo = tl.load(x_ptrs + 1, mask=row_ok[:, None], other=0.0)
+    wr = wrows.to(tl.int64)
+    b = tl.load(w_ptr + wr[:, None] * (K // 2) + (j * HALF + half)[None, :],
+                mask=wrow_ok[:, None], other=0)
+    # One lookup per byte: the float32 bits of its high and low nibbles' table values.
+    v = tl.load(pair_ptr + b.to(tl.int32))
+    hi = (v >> 32).to(tl.int32).to(tl.float32, bitcast=True)
+    lo = (v & 0xFFFFFFFF).to(tl.int32).to(tl.float32, bitcast=True)
+    if NESTED:
+        u = tl.load(s_ptr + wr * kb + j, mask=wrow_ok, other=0).to(tl.int32)
+        group = base.to(tl.int64) + ((wrows - start).to(tl.int64) * kb + j) // 256
+        second = tl.load(n2_ptr + group, mask=wrow_ok, other=0.0)
+        scale = tl.load(nc_ptr + u) * second + offset
+    else:
+        scale = tl.load(s_ptr + wr * kb + j, mask=wrow_ok, other=0.0).to(tl.float32)
+    dt = x_ptr.dtype.element_ty
+    w_hi = _round_to(hi * scale[:, None], dt, DOT_F32)
+    w_lo = _round_to(lo * scale[:, None], dt, DOT_F32)
+    if USE_DOT:
+        acc = _dot_acc(acc, xe, w_hi, DOT_F32)
+        acc = _dot_acc(acc, xo, w_lo, DOT_F32)
+    else:  # a few rows: products summed on the CUDA cores (exact products, float32 sums)
+        pe = xe.to(tl.float32)[:, None, :] * w_hi.to(tl.float32)[None, :, :]
+        po = xo.to(tl.float32)[:, None, :] * w_lo.to(tl.float32)[None, :, :]
+        acc += tl.sum(pe + po, axis=2)
+    return acc
+
+
+@triton.jit
+def _nf4_gemm_kernel(x_ptr, w_ptr, s_ptr, pair_ptr, n2_ptr, nc_ptr, sh_ptr, off_ptr, y_ptr, p_ptr,
                      M, N, x_stride, y_stride,
                      K: tl.constexpr, BLOCKSIZE: tl.constexpr, NESTED: tl.constexpr,
                      NUM_SHARDS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                     BLOCK_K: tl.constexpr, DOT_F32: tl.constexpr, SILU_MUL: tl.constexpr):
+                     BLOCKS_PER_ITER: tl.constexpr, SPLIT_K: tl.constexpr, USE_DOT: tl.constexpr,
+                     DOT_F32: tl.constexpr, SILU_MUL: tl.constexpr):
     # Row blocks vary fastest: the programs dequantizing one weight tile run back to back.
-    # SILU_MUL: rows [0, N) are gate, [N, 2N) up; the epilogue is silu(gate) * up, each
-    # rounded as the separate GEMM and ``silu_and_mul`` round them.
+    # Program (m, n, s) sums the scale blocks [s * KB / SPLIT_K, (s + 1) * KB / SPLIT_K) of
+    # its tile; with SPLIT_K > 1 it writes float32 partial sums ([SPLIT_K, M, N], twice N
+    # with SILU_MUL) that ``_split_reduce_kernel`` adds in split order.
+    # SILU_MUL: weight rows [0, N) are gate, [N, 2N) up.
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
+    pid_k = tl.program_id(2)
     rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     row_ok = rows < M
     col_ok = cols < N
-    x_ptrs = x_ptr + rows.to(tl.int64)[:, None] * x_stride + tl.arange(0, BLOCK_K)[None, :]
-    dt = x_ptr.dtype.element_ty
+    start = tl.zeros_like(cols)
+    base = tl.zeros_like(cols)
+    offset = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    start_u = start
+    base_u = base
+    offset_u = offset
+    if NESTED:
+        start, base, offset = _shard_of(sh_ptr, off_ptr, cols, NUM_SHARDS)
+        if SILU_MUL:
+            start_u, base_u, offset_u = _shard_of(sh_ptr, off_ptr, cols + N, NUM_SHARDS)
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     acc_u = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    # K is a multiple of BLOCK_K (checked by the caller): no K masks in the loop.
-    for k0 in range(0, K, BLOCK_K):
-        x = tl.load(x_ptrs, mask=row_ok[:, None], other=0.0)
-        w = _dequant_tile(w_ptr, s_ptr, code_ptr, n2_ptr, nc_ptr, sh_ptr, off_ptr, cols, col_ok,
-                          k0, K, BLOCKSIZE, NESTED, NUM_SHARDS, BLOCK_N, BLOCK_K)
-        acc = _dot_acc(acc, x, _round_to(w, dt, DOT_F32), DOT_F32)
-        if SILU_MUL:
-            u = _dequant_tile(w_ptr, s_ptr, code_ptr, n2_ptr, nc_ptr, sh_ptr, off_ptr, cols + N,
-                              col_ok, k0, K, BLOCKSIZE, NESTED, NUM_SHARDS, BLOCK_N, BLOCK_K)
-            acc_u = _dot_acc(acc_u, x, _round_to(u, dt, DOT_F32), DOT_F32)
-        x_ptrs += BLOCK_K
-    if SILU_MUL:
-        g = acc.to(dt).to(tl.float32)
-        y = (g / (1.0 + tl.exp(-g)) * acc_u.to(dt).to(tl.float32)).to(y_ptr.dtype.element_ty)
+    per_split: tl.constexpr = K // BLOCKSIZE // SPLIT_K
+    j0 = pid_k * per_split
+    for jj in range(0, per_split, BLOCKS_PER_ITER):
+        for r in tl.static_range(BLOCKS_PER_ITER):
+            j = j0 + jj + r
+            acc = _block_product(acc, x_ptr, x_stride, rows, row_ok, w_ptr, s_ptr, pair_ptr,
+                                 n2_ptr, nc_ptr, cols, col_ok, start, base, offset, j,
+                                 K, BLOCKSIZE, NESTED, USE_DOT, DOT_F32)
+            if SILU_MUL:
+                acc_u = _block_product(acc_u, x_ptr, x_stride, rows, row_ok, w_ptr, s_ptr,
+                                       pair_ptr, n2_ptr, nc_ptr, cols + N, col_ok, start_u,
+                                       base_u, offset_u, j, K, BLOCKSIZE, NESTED, USE_DOT,
+                                       DOT_F32)
+    mask = row_ok[:, None] & col_ok[None, :]
+    if SPLIT_K == 1:
+        y = _epilogue(acc, acc_u, x_ptr.dtype.element_ty, y_ptr.dtype.element_ty, SILU_MUL)
+        tl.store(y_ptr + rows.to(tl.int64)[:, None] * y_stride + cols[None, :], y, mask=mask)
     else:
-        y = acc.to(dt).to(y_ptr.dtype.element_ty)
-    y_ptrs = y_ptr + rows.to(tl.int64)[:, None] * y_stride + cols[None, :]
-    tl.store(y_ptrs, y, mask=row_ok[:, None] & col_ok[None, :])
+        width = 2 * N if SILU_MUL else N
+        p_ptrs = p_ptr + (pid_k * M + rows.to(tl.int64))[:, None] * width + cols[None, :]
+        tl.store(p_ptrs, acc, mask=mask)
+        if SILU_MUL:
+            tl.store(p_ptrs + N, acc_u, mask=mask)
+
+
+@triton.jit
+def _split_reduce_kernel(p_ptr, y_ptr, M, N, y_stride, SPLIT_K: tl.constexpr,
+                         SILU_MUL: tl.constexpr, BLOCK: tl.constexpr, DT: tl.constexpr):
+    # y = epilogue(sum over splits, in split order, of the partial sums).
+    i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    ok = i < M * N
+    m = (i // N).to(tl.int64)
+    n = i % N
+    width = 2 * N if SILU_MUL else N
+    acc = tl.zeros((BLOCK,), dtype=tl.float32)
+    acc_u = tl.zeros((BLOCK,), dtype=tl.float32)
+    for s in tl.static_range(SPLIT_K):
+        ptrs = p_ptr + (s * M + m) * width + n
+        acc += tl.load(ptrs, mask=ok, other=0.0)
+        if SILU_MUL:
+            acc_u += tl.load(ptrs + N, mask=ok, other=0.0)
+    y = _epilogue(acc, acc_u, DT, y_ptr.dtype.element_ty, SILU_MUL)
+    tl.store(y_ptr + m * y_stride + n, y, mask=ok)
 
 
 @triton.jit
@@ -184,32 +296,89 @@ def _dequant_kernel(w_ptr, s_ptr, code_ptr, n2_ptr, nc_ptr, sh_ptr, off_ptr, out
 
 @dataclass(frozen=True)
 class Nf4Config:
-    """One launch shape of the GEMM."""
+    """One launch shape of the GEMM: row and column tile, scale blocks per loop iteration,
+    the K split (programs per tile, summed by a second kernel in split order), tensor-core
+    dot or CUDA-core sums (a few rows)."""
 
     block_m: int
     block_n: int
-    block_k: int
+    blocks_per_iter: int = 1
+    split_k: int = 1
+    use_dot: bool = True
     num_warps: int = 4
     num_stages: int = 3
 
+    def fits(self, k: int, blocksize: int) -> bool:
+        """Whether K (in blocks of ``blocksize``) divides into this config's loop."""
+        return k % blocksize == 0 and (k // blocksize) % (self.split_k * self.blocks_per_iter) == 0
 
-def _block_k(k: int, preferred: int = 256) -> int:
-    """The largest power of two <= ``preferred`` dividing K (K is a multiple of 32 at least:
-    the smallest blocksize)."""
+
+def heuristic_config(m: int, n: int, k: int, blocksize: int = 64) -> Nf4Config:
+    """A launch shape for an [m, k] x [n, k]^T product without a tuned entry: enough programs
+    to keep the memory system busy (a K split where the output tiles are few), CUDA-core
+    sums up to 4 rows, tensor cores above."""
+    use_dot = m > 4
+    if use_dot:
+        block_m = 16 if m <= 16 else (32 if m <= 32 else 64)
+    else:
+        block_m = 1 << (m - 1).bit_length()  # 1, 2 or 4
+    block_n = 32 if use_dot or n <= 8192 else 64
+    tiles = -(-m // block_m) * -(-n // block_n)
+    blocks = k // blocksize
+    per_iter = 2 if blocks % 2 == 0 else 1
+    split = 1
+    while tiles * split < 1024 and blocks % (2 * split * per_iter) == 0 and split < 8:
+        split *= 2
+    return Nf4Config(block_m, block_n, per_iter, split, use_dot)
+
+
+_TUNED_DIR = Path(__file__).with_name("nf4_configs")
+
+
+def tuned_table_path(device_name: str) -> Path:
+    """Where the tuned configs of a GPU model live (``benchmarks.kernels nf4 --table``)."""
+    return _TUNED_DIR / (re.sub(r"[^A-Za-z0-9]+", "_", device_name).strip("_") + ".json")
+
+
+@functools.cache
+def _tuned(device_name: str) -> dict[str, dict[int, Nf4Config]]:
+    path = tuned_table_path(device_name)
+    if not path.is_file():
+        return {}
+    raw = json.loads(path.read_text())
+    return {
+        key: {int(m): Nf4Config(**cfg) for m, cfg in rows.items()}
+        for key, rows in raw["configs"].items()
+    }
+
+
+def table_key(n: int, k: int, blocksize: int, silu: bool) -> str:
+    return f"n={n},k={k},bs={blocksize}" + (",silu" if silu else "")
+
+
+def default_config(
+    m: int, n: int, k: int, blocksize: int = 64, silu: bool = False, device_name: str = ""
+) -> Nf4Config:
+    """The config for ``m`` rows: the tuned table's entry for this GPU and shape (that of the
+    smallest tuned row count >= m, else the largest), or ``heuristic_config``."""
+    rows = _tuned(device_name).get(table_key(n, k, blocksize, silu)) if device_name else None
+    if rows:
+        tuned = [r for r in sorted(rows) if r >= m]
+        cfg = rows[tuned[0] if tuned else max(rows)]
+        if cfg.fits(k, blocksize):
+            return cfg
+    return heuristic_config(m, n, k, blocksize)
+
+
+def _block_k(k: int, preferred: int = 128) -> int:
+    """The dequantize kernel's tile width: the largest power of two <= ``preferred`` dividing
+    K (K is a multiple of 32 at least: the smallest blocksize)."""
     b = preferred
     while k % b:
         b //= 2
     if b < 16:
         raise ValueError(f"K={k} has no tile width (a multiple of 16 is needed)")
     return b
-
-
-def default_config(m: int, n: int, k: int) -> Nf4Config:
-    """A launch shape for an [m, k] x [n, k]^T product. (A starting point: the configs of the
-    decode buckets are to be tuned on the GPU, as the bf16 GEMM's were.)"""
-    block_m = 16 if m <= 16 else (32 if m <= 32 else 64)
-    block_n = 32 if n <= 8192 else 64
-    return Nf4Config(block_m, block_n, _block_k(k, 128 if m > 32 else 256))
 
 
 def _pointers(qw: QuantizedWeight) -> tuple[torch.Tensor, ...]:
@@ -236,7 +405,7 @@ def dequantize(qw: QuantizedWeight, out: torch.Tensor, block_n: int = 32) -> tor
     the values ``bitsandbytes.functional.dequantize_4bit`` gives, bitwise."""
     n, k = qw.shape
     assert out.shape == (n, k) and out.stride(1) == 1
-    bk = min(_block_k(k), 128)
+    bk = _block_k(k)
     grid = (triton.cdiv(n, block_n), k // bk)
     _dequant_kernel[grid](
         *_pointers(qw),
@@ -292,33 +461,34 @@ def _launch(
     k = qw.shape[1]
     if x.dim() != 2 or x.shape[1] != k or x.stride(1) != 1:
         raise ValueError(f"input of shape {tuple(x.shape)} for a weight of {qw.shape}")
-    cfg = config or default_config(m, n, k)
-    if k % cfg.block_k:
-        raise ValueError(f"K={k} is not a multiple of block_k={cfg.block_k}")
+    cfg = config or default_config(m, n, k, qw.blocksize)
+    if not cfg.fits(k, qw.blocksize):
+        raise ValueError(f"K={k} in blocks of {qw.blocksize} does not divide into {cfg}")
     y = out if out is not None else torch.empty((m, n), dtype=x.dtype, device=x.device)
     assert y.shape == (m, n) and y.stride(1) == 1
-    grid = (triton.cdiv(m, cfg.block_m), triton.cdiv(n, cfg.block_n))
+    partial = y  # unused without a K split
+    if cfg.split_k > 1:
+        width = 2 * n if silu_mul else n
+        partial = torch.empty((cfg.split_k, m, width), dtype=torch.float32, device=x.device)
+    pairs = qw.pairs if qw.pairs is not None else byte_pairs(qw.code)
+    packed, absmax, _code, *rest = _pointers(qw)
+    grid = (triton.cdiv(m, cfg.block_m), triton.cdiv(n, cfg.block_n), cfg.split_k)
     _nf4_gemm_kernel[grid](
-        x,
-        *_pointers(qw),
-        y,
-        m,
-        n,
-        x.stride(0),
-        y.stride(0),
-        K=k,
-        BLOCKSIZE=qw.blocksize,
-        NESTED=qw.nested,
-        NUM_SHARDS=_num_shards(qw),
-        BLOCK_M=cfg.block_m,
-        BLOCK_N=cfg.block_n,
-        BLOCK_K=cfg.block_k,
-        DOT_F32=_INTERPRETED or x.dtype == torch.float32,
-        SILU_MUL=silu_mul,
-        num_warps=cfg.num_warps,
-        num_stages=cfg.num_stages,
-        enable_fp_fusion=False,
-    )
+        x, packed, absmax, pairs, *rest, y, partial,
+        m, n, x.stride(0), y.stride(0),
+        K=k, BLOCKSIZE=qw.blocksize, NESTED=qw.nested, NUM_SHARDS=_num_shards(qw),
+        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCKS_PER_ITER=cfg.blocks_per_iter,
+        SPLIT_K=cfg.split_k, USE_DOT=cfg.use_dot,
+        DOT_F32=_INTERPRETED or x.dtype == torch.float32, SILU_MUL=silu_mul,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages, enable_fp_fusion=False,
+    )  # fmt: skip
+    if cfg.split_k > 1:
+        block = 1024
+        _split_reduce_kernel[(triton.cdiv(m * n, block),)](
+            partial, y, m, n, y.stride(0),
+            SPLIT_K=cfg.split_k, SILU_MUL=silu_mul, BLOCK=block,
+            DT=_TL_DTYPES[x.dtype], num_warps=4,
+        )  # fmt: skip
     return y
 
 

@@ -41,6 +41,7 @@ from vllm.model_executor.layers.quantization.bnb_codec import (
     NESTED_BLOCKSIZE,
     Packed4bit,
     QuantState4bit,
+    byte_pairs,
     code_table,
     dequantize_codes,
     nested_scales,
@@ -129,6 +130,8 @@ class Bnb4bitFormat(LinearFormat):
         scale_dtype = torch.uint8 if self.spec.nested else torch.float32
         layer.register_buffer("absmax", torch.empty(n, k // bs, dtype=scale_dtype))
         layer.register_buffer("quant_code", code_table(self.spec.quant_type))
+        # The kernels' per-byte lookup table (derived, so not in the state dict).
+        layer.register_buffer("quant_pairs", byte_pairs(layer.quant_code), persistent=False)
         if self.spec.nested:
             shards = layer.bnb_shards  # type: ignore[attr-defined]
             groups = sum(s.groups for s in shards)
@@ -271,7 +274,12 @@ class Bnb4bitFormat(LinearFormat):
                 shard_offsets=layer.shard_offsets,
             )
         return QuantizedWeight(
-            layer.weight, layer.absmax, layer.quant_code, self.spec.blocksize, **nested
+            layer.weight,
+            layer.absmax,
+            layer.quant_code,
+            self.spec.blocksize,
+            pairs=layer.quant_pairs,
+            **nested,
         )
 
     # ------------------------------------------------------------------ kernels
@@ -311,9 +319,11 @@ class Bnb4bitFormat(LinearFormat):
         any_rows = self._scratch_kernel(layer, qw)
         if not self._fused_gemm(layer, target):
             return [any_rows] * count
-        n, k = layer.out_features, layer.in_features
+        n, k, gpu = layer.out_features, layer.in_features, _device_name(target)
         decode = [
-            nf4_gemm.linear_kernel(qw, nf4_gemm.default_config(rows, n, k))
+            nf4_gemm.linear_kernel(
+                qw, nf4_gemm.default_config(rows, n, k, qw.blocksize, device_name=gpu)
+            )
             for rows in target.row_buckets
         ]
         return [*decode, any_rows]
@@ -325,10 +335,18 @@ class Bnb4bitFormat(LinearFormat):
         from vllm.model_executor.layers import nf4_gemm
 
         qw = self.quantized_weight(layer)
-        n, k = layer.out_features // 2, layer.in_features
+        n, k, gpu = layer.out_features // 2, layer.in_features, _device_name(target)
         for i, rows in enumerate(target.row_buckets):
-            table[i] = nf4_gemm.silu_kernel(qw, nf4_gemm.default_config(rows, n, k))
+            cfg = nf4_gemm.default_config(rows, n, k, qw.blocksize, silu=True, device_name=gpu)
+            table[i] = nf4_gemm.silu_kernel(qw, cfg)
         return table
+
+
+def _device_name(target: KernelTarget) -> str:
+    """The GPU model whose tuned GEMM configs apply ("" off CUDA: the heuristic)."""
+    if target.device.type != "cuda":
+        return ""
+    return torch.cuda.get_device_name(target.device)
 
 
 class BitsAndBytesConfig(QuantizationConfig):
