@@ -16,6 +16,10 @@ COMMANDS = {
         "benchmarks.engine.ttft_tiles",
         "TTFT of one image of 1, 2, 3 or 4 tiles + 128 tokens",
     ),
+    "quant": (
+        "benchmarks.engine.quant",
+        "quantized weights (bitsandbytes, FP8) against bf16: decode, linears, TTFT, memory",
+    ),
     "interleave": (
         "benchmarks.engine.interleave",
         "closed-loop inter-token latency with image arrivals, per-step trace",

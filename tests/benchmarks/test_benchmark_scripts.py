@@ -366,3 +366,25 @@ def test_ttft_tiles_smoke(tmp_path: Path) -> None:
     rows = json.loads(out.read_text())["rows"]
     assert [r["tiles"] for r in rows] == [1, 2, 3, 4]
     assert all(r["ttft_ms"] > 0 for r in rows)
+
+
+def test_quant_smoke(tmp_path: Path) -> None:
+    """python -m benchmarks.engine quant --smoke: bf16 and load-time NF4 on the tiny model, each
+    format's decode points and TTFT, the 4-bit linears' stored bytes well under bf16's, and
+    one target row per quantized decode point."""
+    out = tmp_path / "quant.json"
+    _run_module("benchmarks.engine", "quant", "--smoke", "--formats", "bf16,bitsandbytes",
+                "--out", str(out))
+    rep = json.loads(out.read_text())
+    bf16, nf4 = rep["results"]
+    assert [r["format"] for r in rep["results"]] == ["bf16", "bitsandbytes"]
+    for r in (bf16, nf4):
+        assert [(p["mix"], p["batch"]) for p in r["decode"]] == [("text", 1), ("image", 1)]
+        assert all(p["step_ms"] > 0 and p["eager"] == 0 for p in r["decode"])
+        assert r["ttft_ms"] > 0
+    # 4 bits + a uint8 scale per 64 weights + per-layer tables: ~0.27 of bf16 at 11B widths,
+    # a little more at the tiny widths.
+    ratio = nf4["bytes_image"]["linears"] / bf16["bytes_image"]["linears"]
+    assert 0.25 < ratio < 0.34, ratio
+    assert nf4["bytes_image"]["lm_head"] == bf16["bytes_image"]["lm_head"]
+    assert [(t["mix"], t["batch"]) for t in rep["targets"]] == [("text", 1), ("image", 1)]
