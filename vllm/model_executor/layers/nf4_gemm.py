@@ -181,7 +181,7 @@ def _block_product(acc, x_ptr, x_stride, rows, row_ok, w_ptr, s_ptr, pair_ptr, n
     # One lookup per byte: the float32 bits of its high and low nibbles' table values.
     v = tl.load(pair_ptr + b.to(tl.int32))
     hi = (v >> 32).to(tl.int32).to(tl.float32, bitcast=True)
-    lo = (v & 0xFFFFFFFF).to(tl.int32).to(tl.float32, bitcast=True)
+    lo = v.to(tl.int32).to(tl.float32, bitcast=True)  # the low half (truncation)
     if NESTED:
         u = tl.load(s_ptr + wr * kb + j, mask=wrow_ok, other=0).to(tl.int32)
         group = base.to(tl.int64) + ((wrows - start).to(tl.int64) * kb + j) // 256
