@@ -11,7 +11,7 @@ T0=$SECONDS
 stamp() { echo "[$((SECONDS - T0)) s] $*"; }
 if [ "$WHAT" = kernels ] || [ "$WHAT" = all ]; then
   stamp "4-bit tests on CUDA"
-  python3 -m pytest -q -x -p no:cacheprovider tests/kernels/test_nf4_gemm.py \
+  python3 -m pytest -q -p no:cacheprovider tests/kernels/test_nf4_gemm.py \
     tests/kernels/test_large_offsets.py tests/model_executor/test_bnb_quantizer.py \
     tests/model_executor/test_bnb_loading.py >"$OUT/nf4_tests.log" 2>&1
   tail -3 "$OUT/nf4_tests.log"
