@@ -11,12 +11,12 @@ T0=$SECONDS
 stamp() { echo "[$((SECONDS - T0)) s] $*"; }
 if [ "$WHAT" = kernels ] || [ "$WHAT" = all ]; then
   stamp "4-bit tests on CUDA"
-  python3 -m pytest -q -p no:cacheprovider tests/kernels/test_nf4_gemm.py \
+  python3 -m pytest -q -p no:cacheprovider ${TESTS:-tests/kernels/test_nf4_gemm.py \
     tests/kernels/test_large_offsets.py tests/model_executor/test_bnb_quantizer.py \
-    tests/model_executor/test_bnb_loading.py >"$OUT/nf4_tests.log" 2>&1
+    tests/model_executor/test_bnb_loading.py} >"$OUT/nf4_tests.log" 2>&1
   tail -3 "$OUT/nf4_tests.log"
   stamp "NF4 GEMM sweep, 11B shapes"
-  python3 -m benchmarks.kernels nf4 --sweep --table --silu --jobs 14 \
+  timeout "${SWEEP_S:-400}" python3 -m benchmarks.kernels nf4 --sweep --table --silu --jobs 14 \
     --json "$OUT/nf4_11b.json" >"$OUT/nf4_sweep.log" 2>&1
   tail -2 "$OUT/nf4_sweep.log"
   cp vllm/model_executor/layers/nf4_configs/*.json "$OUT/" 2>/dev/null
@@ -24,18 +24,20 @@ if [ "$WHAT" = kernels ] || [ "$WHAT" = all ]; then
 import json, sys
 rep = json.load(open(sys.argv[1]))
 print(f"copy {rep['copy_gb_s']:.0f} GB/s, read {rep['read_gb_s']:.0f} GB/s")
-print("shape      M   bf16 us   nf4 us (%read)   best us (%read)  scratch us  bnb us")
+print("shape      M   bf16 us  scratch us   GEMM best us (%read)  bnb us   table")
+nan = {"us": float("nan"), "pct_read": float("nan")}
 for r in rep["nf4"]:
-    b = r.get("bnb_matmul_4bit", {}).get("us", float("nan"))
-    best = r.get("nf4_best", r["nf4"])
-    print(f"{r['shape']:8s} {r['m']:4d} {r['bf16']['us']:8.1f} {r['nf4']['us']:8.1f} "
-          f"({r['nf4']['pct_read']:4.1f}) {best['us']:8.1f} ({best['pct_read']:4.1f}) "
-          f"{r['scratch']['us']:9.1f} {b:8.1f}   {best['config']}")
+    b = r.get("bnb_matmul_4bit", nan)["us"]
+    best = r.get("nf4_best", nan)
+    choice = r.get("choice", "-")
+    choice = choice if isinstance(choice, str) else "GEMM " + "/".join(str(v) for v in choice.values())
+    print(f"{r['shape']:8s} {r['m']:4d} {r['bf16']['us']:8.1f} {r['scratch']['us']:10.1f} "
+          f"{best['us']:12.1f} ({best['pct_read']:5.1f}) {b:8.1f}   {choice}")
 PY
 fi
 if [ "$WHAT" = engine ] || [ "$WHAT" = all ]; then
   stamp "engine: bf16 against NF4 dummy weights, 11B"
-  python3 -m benchmarks.engine quant --formats bf16,bitsandbytes --batches "${BATCHES:-1,4,16,64,128,256}" \
+  timeout "${ENGINE_S:-500}" python3 -m benchmarks.engine quant --steps "${STEPS:-30}" --formats bf16,bitsandbytes --batches "${BATCHES:-1,2,4,8,16,64,256}" \
     --out "$OUT/quant_11b.json" >"$OUT/quant_11b.log" 2>&1
   tail -25 "$OUT/quant_11b.log"
 fi

@@ -9,10 +9,11 @@ second-level scales start. A fused layer (q|k|v, gate|up, cross k|v) is one such
 checkpoint matrices' packed rows stacked, their scales concatenated. Nothing is expanded at
 load, so a decode step reads the checkpoint's bytes.
 
-Kernel tables: with the fused kernels, the decode row buckets run the Triton GEMM that
-dequantizes in registers (``nf4_gemm.py``; gate|up also with the SiLU-and-multiply epilogue);
-any other row count (prefill, the vision tower) dequantizes the weight into a scratch matrix
-shared by all layers of the model and runs ``F.linear`` on it. Without them (the CPU torch
+Kernel tables: with the fused kernels, the small decode row buckets run the Triton GEMM that
+dequantizes in registers (``nf4_gemm.py``; gate|up also with the SiLU-and-multiply epilogue)
+where the tuned table (or the heuristic) gives them to it; every other row count (larger
+buckets, prefill, the vision tower) dequantizes the weight into a scratch matrix shared by all
+layers of the model and runs ``F.linear`` on it. Without them (the CPU torch
 path) every entry dequantizes with torch (``bnb_codec``) and runs ``F.linear``.
 """
 
@@ -41,7 +42,6 @@ from vllm.model_executor.layers.quantization.bnb_codec import (
     NESTED_BLOCKSIZE,
     Packed4bit,
     QuantState4bit,
-    byte_pairs,
     code_table,
     dequantize_codes,
     nested_scales,
@@ -130,8 +130,6 @@ class Bnb4bitFormat(LinearFormat):
         scale_dtype = torch.uint8 if self.spec.nested else torch.float32
         layer.register_buffer("absmax", torch.empty(n, k // bs, dtype=scale_dtype))
         layer.register_buffer("quant_code", code_table(self.spec.quant_type))
-        # The kernels' per-byte lookup table (derived, so not in the state dict).
-        layer.register_buffer("quant_pairs", byte_pairs(layer.quant_code), persistent=False)
         if self.spec.nested:
             shards = layer.bnb_shards  # type: ignore[attr-defined]
             groups = sum(s.groups for s in shards)
@@ -278,7 +276,6 @@ class Bnb4bitFormat(LinearFormat):
             layer.absmax,
             layer.quant_code,
             self.spec.blocksize,
-            pairs=layer.quant_pairs,
             **nested,
         )
 
@@ -320,12 +317,10 @@ class Bnb4bitFormat(LinearFormat):
         if not self._fused_gemm(layer, target):
             return [any_rows] * count
         n, k, gpu = layer.out_features, layer.in_features, _device_name(target)
-        decode = [
-            nf4_gemm.linear_kernel(
-                qw, nf4_gemm.default_config(rows, n, k, qw.blocksize, device_name=gpu)
-            )
-            for rows in target.row_buckets
-        ]
+        decode = []
+        for rows in target.row_buckets:
+            cfg = nf4_gemm.decode_config(rows, n, k, qw.blocksize, device_name=gpu)
+            decode.append(any_rows if cfg is None else nf4_gemm.linear_kernel(qw, cfg))
         return [*decode, any_rows]
 
     def build_silu_kernels(self, layer: Linear, target: KernelTarget) -> list[SiluKernel | None]:
@@ -337,8 +332,8 @@ class Bnb4bitFormat(LinearFormat):
         qw = self.quantized_weight(layer)
         n, k, gpu = layer.out_features // 2, layer.in_features, _device_name(target)
         for i, rows in enumerate(target.row_buckets):
-            cfg = nf4_gemm.default_config(rows, n, k, qw.blocksize, silu=True, device_name=gpu)
-            table[i] = nf4_gemm.silu_kernel(qw, cfg)
+            cfg = nf4_gemm.decode_config(rows, n, k, qw.blocksize, silu=True, device_name=gpu)
+            table[i] = None if cfg is None else nf4_gemm.silu_kernel(qw, cfg)
         return table
 
 

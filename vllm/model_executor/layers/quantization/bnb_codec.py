@@ -264,11 +264,3 @@ def dequantize_4bit(p: Packed4bit, dtype: torch.dtype) -> torch.Tensor:
         scales = p.absmax.float()
     table = code_table(s.quant_type, p.packed.device)
     return dequantize_codes(p.packed, scales, table, s.blocksize, s.shape, dtype)
-
-
-def byte_pairs(code: torch.Tensor) -> torch.Tensor:
-    """int64 [256]: for each byte, the float32 bits of its high nibble's table value (upper
-    half) and its low nibble's (lower half), so the kernel looks a byte up once."""
-    bits = code.to(torch.float32).view(torch.int32).to(torch.int64) & 0xFFFFFFFF
-    b = torch.arange(256, device=code.device)
-    return (bits[b >> 4] << 32) | bits[b & 15]
