@@ -2,7 +2,7 @@
 # bitsandbytes 4-bit on one GPU: the 4-bit kernel tests on CUDA (bitsandbytes as reference), the
 # NF4 GEMM sweep of the 11B text-layer shapes (writes the tuned table for this GPU model), then
 # the engine comparison with bf16 (decode per batch, linears, TTFT, replayed steps).
-# Usage (repository root, offline GPU machine): bash tools/gpu_nf4.sh [kernels|engine|all]
+# Usage (repository root, offline GPU machine): bash tools/gpu_nf4.sh [kernels|engine|90b|all]
 # bitsandbytes itself: a directory holding the package on EXTRA_PYTHONPATH (its CUDA 13 library).
 set -uo pipefail
 source tools/gpu_env.sh || exit 1
@@ -40,5 +40,12 @@ if [ "$WHAT" = engine ] || [ "$WHAT" = all ]; then
   timeout "${ENGINE_S:-500}" python3 -m benchmarks.engine quant --steps "${STEPS:-30}" --formats bf16,bitsandbytes --batches "${BATCHES:-1,2,4,8,16,64,256}" \
     --out "$OUT/quant_11b.json" >"$OUT/quant_11b.log" 2>&1
   tail -25 "$OUT/quant_11b.log"
+fi
+if [ "$WHAT" = 90b ] || [ "$WHAT" = all ]; then
+  stamp "engine: 90B NF4 dummy weights on one GPU"
+  timeout "${ENGINE90_S:-300}" python3 -m benchmarks.engine quant --model demo/mllama-90b \
+    --formats bitsandbytes --batches "${BATCHES90:-1}" --steps "${STEPS:-30}" \
+    --out "$OUT/quant_90b.json" >"$OUT/quant_90b.log" 2>&1
+  grep -E "Model weights|Engine ready|Captured|bs=|TTFT|Error" "$OUT/quant_90b.log" | tail -12
 fi
 stamp done
