@@ -197,8 +197,7 @@ def _w_loads(w_ptr, s_ptr, n2_ptr, wrows, wrow_ok, start, base, j, live,
     b = tl.load(w_ptr + wr[:, None] * (K // 2) + (j * HALF + t)[None, :], mask=mask, other=0)
     raw = tl.load(s_ptr + wr[:, None] * kb + jr[None, :], mask=mask, other=0)
     if NESTED:
-        local = (wrows - start).to(tl.int64)[:, None] * kb + jr[None, :]
-        group = base.to(tl.int64)[:, None] + local // 256
+        group = base.to(tl.int64)[:, None] + ((wrows - start).to(tl.int64)[:, None] * kb + jr[None, :]) // 256
         second = tl.load(n2_ptr + group, mask=mask, other=0.0)
     else:
         second = raw.to(tl.float32)  # unused: the raw scales are the scales
