@@ -9,8 +9,7 @@ lookup, block scale, both in float32, then one rounding to the activation dtype:
 it in on the CUDA cores: a decode step's few rows against the whole weight, which is all the
 time reading and decoding the weight. The block's even elements (high nibbles) and odd ones
 (low nibbles) are multiplied separately with the matching strided columns of x, so nibbles are
-never interleaved; products are summed per lane and reduced once after the K loop, and each
-stage's loads are issued before the previous stage's arithmetic. Where the
+never interleaved; products are summed per lane and reduced once after the K loop. Where the
 output tiles are too few to keep the memory system busy, K is split over programs whose
 float32 partial sums a second kernel adds in split order: a fixed reduction order per config,
 as the graph contract needs. More rows than ``MAX_ROWS`` (and any row count the tuned table
@@ -174,61 +173,39 @@ def _mul_rn(a, b, EXACT_MUL: tl.constexpr):
 
 
 @triton.jit
-def _x_loads(x_ptr, x_stride, rows, row_ok, j, live,
-             BLOCKSIZE: tl.constexpr, R: tl.constexpr):
-    # x's even and odd columns of blocks [j, j + R): [BLOCK_M, R * BLOCKSIZE / 2] each.
-    t = tl.arange(0, R * (BLOCKSIZE // 2))
-    ptrs = x_ptr + rows.to(tl.int64)[:, None] * x_stride + (j * BLOCKSIZE + 2 * t)[None, :]
-    mask = row_ok[:, None] & live
-    return tl.load(ptrs, mask=mask, other=0.0), tl.load(ptrs + 1, mask=mask, other=0.0)
-
-
-@triton.jit
-def _w_loads(w_ptr, s_ptr, n2_ptr, wrows, wrow_ok, start, base, j, live,
-             K: tl.constexpr, BLOCKSIZE: tl.constexpr, R: tl.constexpr, NESTED: tl.constexpr):
-    # Blocks [j, j + R) of ``wrows``: packed bytes [BLOCK_N, R * BLOCKSIZE / 2] (contiguous in
-    # each row), their raw scales [BLOCK_N, R] and, nested, the second-level scales they use.
+def _block_product(acc, x_ptr, x_stride, rows, row_ok, w_ptr, s_ptr, code_ptr, n2_ptr, nc_ptr,
+                   wrows, wrow_ok, start, base, offset, j,
+                   K: tl.constexpr, BLOCKSIZE: tl.constexpr, NESTED: tl.constexpr,
+                   EXACT_BF16: tl.constexpr, EXACT_MUL: tl.constexpr):
+    # acc ([BLOCK_M, BLOCK_N, BLOCKSIZE / 2] partial products, reduced after the K loop) +=
+    # x[rows, block j] * W[wrows, block j], the block's weights dequantized here. The block's
+    # even elements are the high nibbles, the odd ones the low nibbles: each meets the
+    # matching strided columns of x, so nibbles are never interleaved. The 16-entry code table
+    # is one cache line: a warp's lookups into it are served at once.
     HALF: tl.constexpr = BLOCKSIZE // 2
     kb: tl.constexpr = K // BLOCKSIZE
+    half = tl.arange(0, HALF)
+    x_ptrs = x_ptr + rows.to(tl.int64)[:, None] * x_stride + (j * BLOCKSIZE + 2 * half)[None, :]
+    xe = tl.load(x_ptrs, mask=row_ok[:, None], other=0.0).to(tl.float32)
+    xo = tl.load(x_ptrs + 1, mask=row_ok[:, None], other=0.0).to(tl.float32)
     wr = wrows.to(tl.int64)
-    t = tl.arange(0, R * HALF)
-    jr = j + tl.arange(0, R)
-    mask = wrow_ok[:, None] & live
-    b = tl.load(w_ptr + wr[:, None] * (K // 2) + (j * HALF + t)[None, :], mask=mask, other=0)
-    raw = tl.load(s_ptr + wr[:, None] * kb + jr[None, :], mask=mask, other=0)
+    b = tl.load(w_ptr + wr[:, None] * (K // 2) + (j * HALF + half)[None, :],
+                mask=wrow_ok[:, None], other=0).to(tl.int32)
+    hi = tl.load(code_ptr + (b >> 4))
+    lo = tl.load(code_ptr + (b & 15))
     if NESTED:
-        group = base.to(tl.int64)[:, None] + ((wrows - start).to(tl.int64)[:, None] * kb + jr[None, :]) // 256
-        second = tl.load(n2_ptr + group, mask=mask, other=0.0)
+        u = tl.load(s_ptr + wr * kb + j, mask=wrow_ok, other=0).to(tl.int32)
+        group = base.to(tl.int64) + ((wrows - start).to(tl.int64) * kb + j) // 256
+        second = tl.load(n2_ptr + group, mask=wrow_ok, other=0.0)
+        scale = _mul_rn(tl.load(nc_ptr + u), second, EXACT_MUL) + offset
     else:
-        second = raw.to(tl.float32)  # unused: the raw scales are the scales
-    return b, raw, second
-
-
-@triton.jit
-def _stage_product(acc, xe, xo, b, raw, second, code_ptr, nc_ptr, offset,
-                   BLOCK_N: tl.constexpr, BLOCKSIZE: tl.constexpr, R: tl.constexpr,
-                   NESTED: tl.constexpr, EXACT_BF16: tl.constexpr, EXACT_MUL: tl.constexpr):
-    # acc ([BLOCK_M, BLOCK_N, R * BLOCKSIZE / 2] per-lane sums, reduced after the K loop) +=
-    # the stage's x columns times its weights, dequantized here. A block's even elements are
-    # the high nibbles, its odd ones the low nibbles: each meets the matching strided columns
-    # of x, so nibbles are never interleaved. The 16-entry code table is one cache line: a
-    # warp's lookups into it are served at once.
-    HALF: tl.constexpr = BLOCKSIZE // 2
-    bi = b.to(tl.int32)
-    hi = tl.load(code_ptr + (bi >> 4))
-    lo = tl.load(code_ptr + (bi & 15))
-    if NESTED:
-        scale = _mul_rn(tl.load(nc_ptr + raw.to(tl.int32)), second, EXACT_MUL) + offset[:, None]
-    else:
-        scale = raw.to(tl.float32)
-    dt = xe.dtype
-    w_hi = tl.reshape(tl.reshape(hi, (BLOCK_N, R, HALF)) * scale[:, :, None], (BLOCK_N, R * HALF))
-    w_lo = tl.reshape(tl.reshape(lo, (BLOCK_N, R, HALF)) * scale[:, :, None], (BLOCK_N, R * HALF))
-    w_hi = _round_to(w_hi, dt, EXACT_BF16).to(tl.float32)
-    w_lo = _round_to(w_lo, dt, EXACT_BF16).to(tl.float32)
+        scale = tl.load(s_ptr + wr * kb + j, mask=wrow_ok, other=0.0).to(tl.float32)
+    dt = x_ptr.dtype.element_ty
+    w_hi = _round_to(hi * scale[:, None], dt, EXACT_BF16).to(tl.float32)
+    w_lo = _round_to(lo * scale[:, None], dt, EXACT_BF16).to(tl.float32)
     # Exact products (16-bit x 16-bit), float32 sums: an FMA rounds them as mul + add would.
-    acc += xe.to(tl.float32)[:, None, :] * w_hi[None, :, :]
-    acc += xo.to(tl.float32)[:, None, :] * w_lo[None, :, :]
+    acc += xe[:, None, :] * w_hi[None, :, :]
+    acc += xo[:, None, :] * w_lo[None, :, :]
     return acc
 
 
@@ -241,13 +218,10 @@ def _nf4_gemm_kernel(x_ptr, w_ptr, s_ptr, code_ptr, n2_ptr, nc_ptr, sh_ptr, off_
                      EXACT_BF16: tl.constexpr, EXACT_MUL: tl.constexpr, SILU_MUL: tl.constexpr):
     # Row blocks vary fastest: the programs dequantizing one weight tile run back to back.
     # Program (m, n, s) sums the scale blocks [s * KB / SPLIT_K, (s + 1) * KB / SPLIT_K) of
-    # its tile, BLOCKS_PER_ITER blocks a stage, the next stage's loads issued before this
-    # one's arithmetic (the loop is latency-bound otherwise). With SPLIT_K > 1 it writes
-    # float32 partial sums ([SPLIT_K, M, N], twice N with SILU_MUL) that
-    # ``_split_reduce_kernel`` adds in split order. SILU_MUL: weight rows [0, N) are gate,
-    # [N, 2N) up.
-    R: tl.constexpr = BLOCKS_PER_ITER
-    W: tl.constexpr = BLOCKS_PER_ITER * (BLOCKSIZE // 2)
+    # its tile; with SPLIT_K > 1 it writes float32 partial sums ([SPLIT_K, M, N], twice N
+    # with SILU_MUL) that ``_split_reduce_kernel`` adds in split order.
+    # SILU_MUL: weight rows [0, N) are gate, [N, 2N) up.
+    HALF: tl.constexpr = BLOCKSIZE // 2
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     pid_k = tl.program_id(2)
@@ -265,44 +239,21 @@ def _nf4_gemm_kernel(x_ptr, w_ptr, s_ptr, code_ptr, n2_ptr, nc_ptr, sh_ptr, off_
         start, base, offset = _shard_of(sh_ptr, off_ptr, cols, NUM_SHARDS)
         if SILU_MUL:
             start_u, base_u, offset_u = _shard_of(sh_ptr, off_ptr, cols + N, NUM_SHARDS)
-    acc3 = tl.zeros((BLOCK_M, BLOCK_N, W), dtype=tl.float32)
-    acc3_u = tl.zeros((BLOCK_M, BLOCK_N, W), dtype=tl.float32)
+    acc3 = tl.zeros((BLOCK_M, BLOCK_N, HALF), dtype=tl.float32)
+    acc3_u = tl.zeros((BLOCK_M, BLOCK_N, HALF), dtype=tl.float32)
     per_split: tl.constexpr = K // BLOCKSIZE // SPLIT_K
-    j = pid_k * per_split
-    j_end = j + per_split
-    live = j < j_end
-    xe, xo = _x_loads(x_ptr, x_stride, rows, row_ok, j, live, BLOCKSIZE, R)
-    b, raw, second = _w_loads(w_ptr, s_ptr, n2_ptr, cols, col_ok, start, base, j, live,
-                              K, BLOCKSIZE, R, NESTED)
-    b_u = b
-    raw_u = raw
-    second_u = second
-    if SILU_MUL:
-        b_u, raw_u, second_u = _w_loads(w_ptr, s_ptr, n2_ptr, cols + N, col_ok, start_u,
-                                        base_u, j, live, K, BLOCKSIZE, R, NESTED)
-    for _ in range(0, per_split, R):
-        jn = j + R
-        live = jn < j_end
-        nxe, nxo = _x_loads(x_ptr, x_stride, rows, row_ok, jn, live, BLOCKSIZE, R)
-        nb, nraw, nsecond = _w_loads(w_ptr, s_ptr, n2_ptr, cols, col_ok, start, base, jn, live,
-                                     K, BLOCKSIZE, R, NESTED)
-        acc3 = _stage_product(acc3, xe, xo, b, raw, second, code_ptr, nc_ptr, offset,
-                              BLOCK_N, BLOCKSIZE, R, NESTED, EXACT_BF16, EXACT_MUL)
-        if SILU_MUL:
-            nb_u, nraw_u, nsecond_u = _w_loads(w_ptr, s_ptr, n2_ptr, cols + N, col_ok, start_u,
-                                               base_u, jn, live, K, BLOCKSIZE, R, NESTED)
-            acc3_u = _stage_product(acc3_u, xe, xo, b_u, raw_u, second_u, code_ptr, nc_ptr,
-                                    offset_u, BLOCK_N, BLOCKSIZE, R, NESTED, EXACT_BF16,
-                                    EXACT_MUL)
-            b_u = nb_u
-            raw_u = nraw_u
-            second_u = nsecond_u
-        xe = nxe
-        xo = nxo
-        b = nb
-        raw = nraw
-        second = nsecond
-        j = jn
+    j0 = pid_k * per_split
+    for jj in range(0, per_split, BLOCKS_PER_ITER):
+        for r in tl.static_range(BLOCKS_PER_ITER):
+            j = j0 + jj + r
+            acc3 = _block_product(acc3, x_ptr, x_stride, rows, row_ok, w_ptr, s_ptr, code_ptr,
+                                  n2_ptr, nc_ptr, cols, col_ok, start, base, offset, j,
+                                  K, BLOCKSIZE, NESTED, EXACT_BF16, EXACT_MUL)
+            if SILU_MUL:
+                acc3_u = _block_product(acc3_u, x_ptr, x_stride, rows, row_ok, w_ptr, s_ptr,
+                                        code_ptr, n2_ptr, nc_ptr, cols + N, col_ok, start_u,
+                                        base_u, offset_u, j, K, BLOCKSIZE, NESTED, EXACT_BF16,
+                                        EXACT_MUL)
     acc = tl.sum(acc3, axis=2)
     acc_u = tl.sum(acc3_u, axis=2)
     mask = row_ok[:, None] & col_ok[None, :]
