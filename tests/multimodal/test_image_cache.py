@@ -110,7 +110,7 @@ def test_resent_image_is_neither_decoded_nor_tiled(parts, monkeypatch) -> None:
     data = png(pil(90, 40, seed=1))
 
     def turn() -> Any:
-        images = asyncio.run(media.fetch_images_async([data_url(data)], proc))
+        images = asyncio.run(media.fetch_images_async([data_url(data)], proc.image_lookup()))
         assert all(isinstance(i, HashedImage) for i in images)
         return proc.process(prompt(proc, images))
 
@@ -121,12 +121,12 @@ def test_resent_image_is_neither_decoded_nor_tiled(parts, monkeypatch) -> None:
     assert same_inputs(first, second)
     assert first.images.digests == [encoded_image_digest(data, proc.fingerprint)]
     # The blocking twin (offline LLM.chat) finds it too.
-    hit = media.fetch_image(data_url(data), proc)
+    hit = media.fetch_image(data_url(data), proc.image_lookup())
     assert hit.processed is not None and len(decodes) == 1
     # Without the cache, every request decodes and tiles again.
     off = make(parts, cache_bytes=0)
     for n in (1, 2):
-        images = asyncio.run(media.fetch_images_async([data_url(data)], off))
+        images = asyncio.run(media.fetch_images_async([data_url(data)], off.image_lookup()))
         assert same_inputs(off.process(prompt(off, images)), first)
         assert off.image_processor.images == n
     assert len(decodes) == 3
@@ -177,7 +177,10 @@ def test_other_options_and_other_images_never_share_an_entry(parts) -> None:
         make(parts, processor_kwargs={"image_mean": [0.5, 0.5, 0.5]}),
         make(parts, pixel_dtype=torch.bfloat16),
     ):
-        assert other.lookup_encoded(data)[0] != base.lookup_encoded(data)[0]
+        assert (
+            other.image_lookup().lookup_encoded(data)[0]
+            != base.image_lookup().lookup_encoded(data)[0]
+        )
         assert other.fingerprint != base.fingerprint
 
     img = pil(200, 50, seed=3)
@@ -215,6 +218,31 @@ def test_cached_pixels_equal_the_uncached_path(parts) -> None:
         assert ref.images.pixel_values.dtype == dtype
         for _ in range(2):
             assert same_inputs(on.process(prompt(on, [img])), ref)
+
+
+def test_tenants_salts_keep_their_entries_apart(parts) -> None:
+    """A hit is visible in timing, so each salt has its own entries; the image's identity
+    (what prefix keys are built from) is the same for all of them."""
+    proc = make(parts)
+    data = png(pil(50, 50, seed=8))
+    media = ImageMediaConnector()
+
+    def show(salt: str | None) -> Any:
+        images = asyncio.run(media.fetch_images_async([data_url(data)], proc.image_lookup(salt)))
+        return proc.process(prompt(proc, images, **({"cache_salt": salt} if salt else {})))
+
+    a = show("tenant-a")
+    assert show("tenant-a").cache_salt == "tenant-a" and proc.image_processor.images == 1
+    b = show("tenant-b")
+    assert proc.image_processor.images == 2 and len(proc.image_cache) == 2
+    show(None)
+    assert proc.image_processor.images == 3
+    assert same_inputs(a, b) and a.images.digests == b.images.digests
+    img = pil(30, 30, seed=9)  # offline PIL images too
+    proc.process(prompt(proc, [img], cache_salt="x"))
+    proc.process(prompt(proc, [img], cache_salt="y"))
+    proc.process(prompt(proc, [img], cache_salt="x"))
+    assert proc.image_processor.images == 5
 
 
 def _entry(nbytes: int) -> ProcessedImage:

@@ -295,7 +295,7 @@ def parse_chat_messages(
 ) -> dict[str, Any]:
     """Blocking: messages -> ``{"prompt_token_ids", "prompt", "multi_modal_data"}`` (offline
     ``LLM.chat``). Image URLs are loaded with ``media`` (default rules if omitted), through
-    the processed-image cache when ``lookup`` (the engine's input processor) is given."""
+    the processed-image cache when ``lookup`` (``MllamaInputProcessor.image_lookup``) is given."""
     parsed = parse_conversation(messages, content_format)
     text, ids = _render_and_tokenize(
         tokenizer,
@@ -331,7 +331,8 @@ async def parse_chat_messages_async(
     """The server's path: the template (under ``budget``) and tokenizer run in a worker thread
     while the images are fetched and decoded concurrently, all of them within the media
     connector's per-request deadline; nothing here blocks the event loop. With ``lookup``
-    (the engine's input processor) an image the processed-image cache holds is not decoded."""
+    (``MllamaInputProcessor.image_lookup``) an image the processed-image cache holds is not
+    decoded."""
     for src in parsed.image_sources:
         if not isinstance(src, str):
             raise ValueError("image_pil parts are only supported offline; send image_url.")

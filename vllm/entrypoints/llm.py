@@ -102,7 +102,7 @@ class LLM:
                 add_generation_prompt=add_generation_prompt, chat_template_kwargs=kwargs,
                 continue_final_message=continue_final_message,
                 content_format=chat_template_content_format,
-                lookup=self.llm_engine.input_processor))
+                lookup=self.llm_engine.input_processor.image_lookup()))
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
 
     def _params_list(self, sampling_params: Any, n: int) -> list[SamplingParams]:

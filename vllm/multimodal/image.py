@@ -22,10 +22,10 @@ Security rules for URLs a client names (the server fetches them on the client's 
 * ``file://`` URLs work only below ``--allowed-local-media-path``; messages never show the
   resolved path (which would reveal symlink targets, the process id or the working folder).
 
-Given the engine's input processor (``lookup``), fetching hashes the bytes it fetched and asks
-the processed-image cache first (``image_identity.py``, ``image_cache.py``): an image the cache
-holds is not decoded at all, and every image leaves here as a ``HashedImage`` carrying its
-digest.
+Given a request's ``lookup`` (``MllamaInputProcessor.image_lookup``), fetching hashes the bytes
+it fetched and asks the processed-image cache first (``image_identity.py``, ``image_cache.py``):
+an image the cache holds is not decoded at all, and every image leaves here as a
+``HashedImage`` carrying its digest.
 
 Every failure is a ``ValueError`` whose message can be shown to the client.
 """

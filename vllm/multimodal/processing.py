@@ -27,6 +27,7 @@ from vllm.multimodal.image import DECODER_RULES
 from vllm.multimodal.image_cache import ProcessedImage, ProcessedImageCache
 from vllm.multimodal.image_identity import (
     HashedImage,
+    cache_key,
     encoded_image_digest,
     pil_image_digest,
     processing_fingerprint,
@@ -123,6 +124,20 @@ def _as_image_list(data: Any) -> list[Any]:
     return list(images)
 
 
+@dataclass(frozen=True)
+class ImageLookup:
+    """The processed-image cache as one request's image fetching sees it (its salt)."""
+
+    processor: MllamaInputProcessor
+    cache_salt: str | None
+
+    def lookup_encoded(self, data: bytes) -> tuple[bytes, ProcessedImage | None]:
+        """The digest of fetched bytes, and the processed image if the cache holds it (then
+        it is neither decoded nor tiled again)."""
+        digest = encoded_image_digest(data, self.processor.fingerprint)
+        return digest, self.processor.cached_image(digest, self.cache_salt)
+
+
 class MllamaInputProcessor:
     """Tokenises prompts, processes images and validates the pair against the model.
 
@@ -154,22 +169,33 @@ class MllamaInputProcessor:
             list(spec.vision.supported_aspect_ratios), str(pixel_dtype), DECODER_RULES)
 
     # ------------------------------------------------------------------ images
-    def lookup_encoded(self, data: bytes) -> tuple[bytes, ProcessedImage | None]:
-        """For the server, before it decodes fetched bytes: their digest, and the processed
-        image if the cache holds it (then it is neither decoded nor tiled again)."""
-        digest = encoded_image_digest(data, self.fingerprint)
-        return digest, self.image_cache.get(digest) if self.image_cache.enabled else None
+    def image_lookup(self, cache_salt: str | None = None) -> ImageLookup:
+        """What the server's image fetching asks before decoding, for one request."""
+        return ImageLookup(self, check_cache_salt(cache_salt))
 
-    def process_images(self, images: Sequence[Any]) -> ImageInputs:
+    def cached_image(self, digest: bytes, cache_salt: str | None) -> ProcessedImage | None:
+        """The processed image under ``digest`` for a request salted ``cache_salt``, or None."""
+        if not self.image_cache.enabled:
+            return None
+        return self.image_cache.get(cache_key(digest, cache_salt))
+
+    def process_images(self, images: Sequence[Any],
+                       cache_salt: str | None = None) -> ImageInputs:
         """PIL images and :class:`HashedImage` s -> the request's pixel values and identities;
-        only images the cache does not hold go through the image processor."""
+        only images the cache does not hold (under ``cache_salt``) go through the image
+        processor."""
         digests, entries = [], []
         for img in images:
-            digest, entry = self._lookup(img)
+            if isinstance(img, HashedImage):
+                digest, entry = img.digest, img.processed
+            else:
+                digest, entry = pil_image_digest(img, self.fingerprint), None
+            if entry is None:
+                entry = self.cached_image(digest, cache_salt)
             if entry is None:
                 entry = self._process_one(img.image if isinstance(img, HashedImage) else img)
                 if self.image_cache.enabled:
-                    self.image_cache.put(digest, entry)
+                    self.image_cache.put(cache_key(digest, cache_salt), entry)
             digests.append(digest)
             entries.append(entry)
         first = entries[0].pixel_values
@@ -179,15 +205,6 @@ class MllamaInputProcessor:
         ratio_ids = torch.tensor([e.aspect_ratio_id for e in entries], dtype=torch.long)
         return ImageInputs(pixel_values=pixels, aspect_ratio_ids=ratio_ids,
                            num_tiles=[e.num_tiles for e in entries], digests=digests)
-
-    def _lookup(self, img: Any) -> tuple[bytes, ProcessedImage | None]:
-        if isinstance(img, HashedImage):
-            if img.processed is not None:
-                return img.digest, img.processed
-            digest = img.digest
-        else:
-            digest = pil_image_digest(img, self.fingerprint)
-        return digest, self.image_cache.get(digest) if self.image_cache.enabled else None
 
     def _process_one(self, image: Any) -> ProcessedImage:
         out = self.image_processor(images=[[image]], return_tensors="pt",
@@ -244,7 +261,8 @@ class MllamaInputProcessor:
         if n_tokens != len(images):
             raise ValueError(f"The number of image tokens ({n_tokens}) must be the same as the "
                              f"number of images ({len(images)})")
-        image_inputs = self.process_images(images) if images else None
+        cache_salt = check_cache_salt(cache_salt)
+        image_inputs = self.process_images(images, cache_salt) if images else None
         return ProcessedInputs(
             prompt_token_ids=token_ids,
             images=image_inputs,
@@ -254,7 +272,7 @@ class MllamaInputProcessor:
             tokens_per_tile=spec.vision.tokens_per_tile,
             image_token_id=spec.image_token_id,
             image_token=self.image_token,
-            cache_salt=check_cache_salt(cache_salt),
+            cache_salt=cache_salt,
         )
 
     def process(self, prompt: Any) -> ProcessedInputs:
