@@ -96,6 +96,8 @@ class ProcessedImageCache:
             return digest in self._entries
 
     def clear(self) -> None:
+        """Drops every entry and zeroes the counters."""
         with self._lock:
             self._entries.clear()
             self._bytes = 0
+            self.queries = self.hits = 0
