@@ -132,6 +132,22 @@ def test_resent_image_is_neither_decoded_nor_tiled(parts, monkeypatch) -> None:
     assert len(decodes) == 3
 
 
+def test_a_hit_meets_the_pixel_limit_a_decode_would(parts) -> None:
+    """Whether a request passes the pixel limit does not depend on the cache."""
+    proc = make(parts)
+    url = data_url(png(pil(40, 40, seed=7)))
+    images = asyncio.run(ImageMediaConnector().fetch_images_async([url], proc.image_lookup()))
+    proc.process(prompt(proc, images))  # now cached
+    strict = ImageMediaConnector(max_pixels=1000)
+    for fetch in (
+        lambda: asyncio.run(strict.fetch_images_async([url], proc.image_lookup())),
+        lambda: strict.fetch_image(url, proc.image_lookup()),
+    ):
+        with pytest.raises(ValueError, match="1600 pixels, more than the limit of 1000"):
+            fetch()
+    assert proc.image_processor.images == 1
+
+
 def test_pil_images_hash_their_pixels(parts) -> None:
     """Offline PIL images: an equal copy is a hit; one changed pixel, another mode or size
     is another image; a palette image's digest covers its palette."""

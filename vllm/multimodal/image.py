@@ -42,7 +42,7 @@ import socket
 import time
 from collections.abc import Iterable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 from urllib.parse import unquote, urlparse
 
 import httpx
@@ -50,6 +50,9 @@ import httpx
 from vllm import envs
 from vllm.multimodal.image_identity import EncodedImageLookup, HashedImage
 from vllm.multimodal.image_policy import HostPolicy
+
+if TYPE_CHECKING:
+    from vllm.multimodal.image_cache import ProcessedImage
 
 DEFAULT_MAX_IMAGE_BYTES: int = envs.VARIABLES["VLLM_IMAGE_FETCH_MAX_BYTES"].default
 # The server's default pixel cap: 16 Mpx (4096 x 4096) is 13x what the model sees (at most 4
@@ -294,10 +297,17 @@ class ImageMediaConnector:
         if lookup is not None:
             digest, hit = await asyncio.to_thread(lookup.lookup_encoded, data)
             if hit is not None:
-                return HashedImage(digest, processed=hit)
+                return self._cached(digest, hit)
         async with self._decode_gate():
             img = await asyncio.to_thread(decode_image, data, self.max_pixels)
         return img if digest is None else HashedImage(digest, image=img)
+
+    def _cached(self, digest: bytes, hit: ProcessedImage) -> HashedImage:
+        """A cache hit, held to this connector's pixel limit as a decode would be."""
+        width, height = hit.source_size
+        if width * height > self.max_pixels:
+            raise _too_many_pixels(width, height, self.max_pixels)
+        return HashedImage(digest, processed=hit)
 
     async def fetch_images_async(
         self, urls: list[str], lookup: EncodedImageLookup | None = None
@@ -388,5 +398,5 @@ class ImageMediaConnector:
             return decode_image(data, self.max_pixels)
         digest, hit = lookup.lookup_encoded(data)
         if hit is not None:
-            return HashedImage(digest, processed=hit)
+            return self._cached(digest, hit)
         return HashedImage(digest, image=decode_image(data, self.max_pixels))

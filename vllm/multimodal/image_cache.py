@@ -32,6 +32,9 @@ class ProcessedImage:
     pixel_values: torch.Tensor
     aspect_ratio_id: int  # 1-based index into the model's table of tile arrangements
     num_tiles: int
+    # (width, height) of the image as decoded: a hit is held to the pixel limit it would
+    # have met when decoded, so that a request's fate does not depend on the cache.
+    source_size: tuple[int, int] = (0, 0)
 
     @property
     def nbytes(self) -> int:

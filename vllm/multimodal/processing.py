@@ -217,7 +217,8 @@ class MllamaInputProcessor:
         tiles = pixels[0].to(self.pixel_dtype).contiguous()
         if tiles.untyped_storage().nbytes() != tiles.nbytes:
             tiles = tiles.clone()
-        return ProcessedImage(tiles, int(ratio_ids[0]), int(out["num_tiles"][0][0]))
+        return ProcessedImage(tiles, int(ratio_ids[0]), int(out["num_tiles"][0][0]),
+                              tuple(image.size))
 
     def _to_model_tiles(
         self, pixels: torch.Tensor, ratio_ids: torch.Tensor
