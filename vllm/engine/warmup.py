@@ -10,9 +10,9 @@ of several lengths and a sampled request with logprobs go through the same sched
 served traffic (whole prefills while nothing decodes, encoder and prefill spread over decode
 steps while something does). Afterwards the engine holds no request, every page is free and
 the runner's counters start from zero; its random images are not kept in the processed-image
-cache. Before the requests, the runner runs each text-layer
-GEMM at every padded prefill row count (``ModelRunner.warm_up_prefill_gemms``): cuBLAS's first call
-at a new row count costs host milliseconds, and prompt lengths vary without end.
+cache. Before the requests, the runner runs each text-layer GEMM at every padded prefill row
+count (``ModelRunner.warm_up_prefill_gemms``): cuBLAS's first call at a new row count costs
+host milliseconds, and prompt lengths vary without end.
 """
 
 from __future__ import annotations
