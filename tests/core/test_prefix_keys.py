@@ -12,13 +12,16 @@ from transformers.models.mllama.processing_mllama import get_cross_attention_tok
 
 from vllm.core.prefix_keys import (
     PageKeyChain,
+    chain_for,
     chain_root,
     cross_group_key,
+    cross_key_for,
     images_seen,
     max_cached_pages,
     page_keys,
 )
-from vllm.multimodal.cross_attention import image_runs
+from vllm.multimodal.cross_attention import image_runs, last_group
+from vllm.multimodal.processing import ImageInputs, ProcessedInputs
 
 IMG = 9
 BLOCK = 4
@@ -139,3 +142,19 @@ def test_limits_and_seen_images() -> None:
     assert images_seen(runs, 2, 5) == (0, 2)
     assert images_seen(runs, 4, 8) == (0, 3)
     assert images_seen(runs, 6, 8) == (2, 3)  # only the last group: a cached cross group
+
+
+def test_keys_of_processed_inputs() -> None:
+    """A request's chain and cross key come from its inputs: the digests of its images, its
+    last group and its salt."""
+    import torch
+
+    ids = [1, IMG, 2, IMG, IMG, 1, 2, 2]
+    images = ImageInputs(torch.zeros(3, 1), torch.ones(3, dtype=torch.long), [1, 1, 1],
+                         digests=DIGESTS)  # fmt: skip
+    inputs = ProcessedInputs(ids, images, image_runs(ids, IMG), last_group(ids, IMG),
+                             image_token_id=IMG, cache_salt="t")  # fmt: skip
+    assert chain_for(inputs, BLOCK).update(ids) == page_keys(ids, 8, IMG, DIGESTS, BLOCK, "t")
+    assert cross_key_for(inputs) == cross_group_key(DIGESTS[1:3], "t")
+    text = ProcessedInputs([1, 2, 3, 4], runs=[], last_group=None, image_token_id=IMG)
+    assert cross_key_for(text) is None and len(chain_for(text, BLOCK).update([1, 2, 3, 4])) == 1

@@ -55,6 +55,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from vllm.multimodal.cross_attention import ImageRun
+from vllm.multimodal.processing import ProcessedInputs
 
 _ROOT = b"vllm/mllama/prefix/root/v1"
 _PAGE = b"vllm/mllama/prefix/page/v1"
@@ -160,6 +161,26 @@ def page_keys(
     """The keys of every full page of ``token_ids`` (see :class:`PageKeyChain`)."""
     chain = PageKeyChain(block_size, prompt_len, image_token_id, image_digests, cache_salt)
     return chain.update(token_ids)
+
+
+def chain_for(inputs: ProcessedInputs, block_size: int) -> PageKeyChain:
+    """The page-key chain of a request's sequence (its prompt pages are keyed by the first
+    ``update(prompt_token_ids)``)."""
+    return PageKeyChain(
+        block_size,
+        len(inputs.prompt_token_ids),
+        inputs.image_token_id,
+        inputs.images.digests if inputs.images is not None else [],
+        inputs.cache_salt,
+    )
+
+
+def cross_key_for(inputs: ProcessedInputs) -> bytes | None:
+    """The key of a request's cross group (its last image group), None without images."""
+    if inputs.last_group is None or inputs.images is None:
+        return None
+    first, end = inputs.last_group
+    return cross_group_key(inputs.images.digests[first:end], inputs.cache_salt)
 
 
 def max_cached_pages(prompt_len: int, block_size: int) -> int:
