@@ -59,6 +59,8 @@ class ModelConfig:
     tokenizer: str = ""  # as the user named it (the model's name when not given)
     # Image-processor options (--mm-processor-kwargs), checked by EngineArgs.
     mm_processor_kwargs: dict[str, Any] = field(default_factory=dict, compare=False)
+    # Processed images kept by digest (--mm-processor-cache-gb, GiB of host memory; 0: off).
+    mm_processor_cache_gb: float = 4.0
     # Sampling defaults over (or, with generation_config="vllm", instead of) the checkpoint's.
     override_generation_config: dict[str, Any] = field(default_factory=dict, compare=False)
 

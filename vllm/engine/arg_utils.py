@@ -74,6 +74,7 @@ class EngineArgs:
     cuda_graph_sizes: list[int] | None = None
     limit_mm_per_prompt: dict[str, int] | str | None = None
     mm_processor_kwargs: dict[str, Any] | None = None
+    mm_processor_cache_gb: float = 4
     hf_overrides: dict[str, Any] | None = None
     override_generation_config: dict[str, Any] | None = None
     load_format: str = "auto"
@@ -141,6 +142,11 @@ class EngineArgs:
                            "ignoring enable_prefix_caching.")
         if self.enable_chunked_prefill:
             logger.warning("Chunked prefill is not supported; prompts are prefilled whole.")
+        cache_gb = self.mm_processor_cache_gb
+        if isinstance(cache_gb, bool) or not isinstance(cache_gb, (int, float)) \
+                or not 0 <= cache_gb < float("inf"):
+            raise ValueError(f"mm_processor_cache_gb must be a number >= 0 (GiB; 0 turns the "
+                             f"processed-image cache off), got {cache_gb!r}")
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise ValueError("gpu_memory_utilization must be in (0, 1], got "
                              f"{self.gpu_memory_utilization}")
@@ -224,6 +230,7 @@ class EngineArgs:
             quantization=quantization, revision=self.revision,
             tokenizer=self.tokenizer or self.model,
             mm_processor_kwargs=self._mm_processor_kwargs(spec.vision.max_num_tiles),
+            mm_processor_cache_gb=float(self.mm_processor_cache_gb),
             override_generation_config=dict(self.override_generation_config or {}))
 
     def _graph_sizes(self, sched: SchedulerConfig) -> tuple[int, ...]:

@@ -210,6 +210,11 @@ _FLAG_SPECS: dict[str, dict[str, Any]] = {
         "help": "Options of the checkpoint's image processor, as JSON or dotted, e.g. "
         "'{\"max_image_tiles\": 2}' (at most the model's max_num_tiles).",
     },
+    "mm_processor_cache_gb": {
+        "type": float,
+        "help": "GiB of host memory for processed images (tiles), kept by content hash so "
+        "that an image sent again is neither decoded nor tiled again; 0 turns it off.",
+    },
     "hf_overrides": {
         "type": json_dict_type,
         "action": MergeDictAction,

@@ -70,7 +70,8 @@ class LLMEngine:
             mc.spec, self.tokenizer, get_image_processor(mc.model_path),
             mc.limit_images_per_prompt, config.model_config.max_model_len,
             pixel_dtype=mc.dtype, pin_memory=self.runner.device.type == "cuda",
-            processor_kwargs=mc.mm_processor_kwargs)
+            processor_kwargs=mc.mm_processor_kwargs,
+            image_cache_bytes=int(mc.mm_processor_cache_gb * (1 << 30)))
         lo = self.runner.layout
         self.block_manager = BlockManager(num_pages, lo.block_size, lo.cross_block_size)
         self.scheduler = Scheduler(config.scheduler_config, self.block_manager,

@@ -58,6 +58,7 @@ from vllm.entrypoints.openai.request_checks import (
     find_lone_surrogate,
     too_long,
 )
+from vllm.inputs import MAX_CACHE_SALT_CHARS
 from vllm.sampling_params import MAX_STOP_CHARS, MAX_STOP_STRINGS
 
 # The request bodies, and the response bodies of protocol_responses.py (vLLM's protocol module
@@ -218,6 +219,14 @@ class _SamplingRequest(OpenAIBaseModel):
     bad_words: list[str] | None = None
     request_id: str | None = None
     priority: Int = 0
+    # Requests share cached KV only when their salts are equal (docs/security.md).
+    cache_salt: str | None = Field(
+        default=None,
+        min_length=1,
+        max_length=MAX_CACHE_SALT_CHARS,
+        description="Prefix-cache isolation: only requests with the same salt share cached "
+        "KV (a tenant's secret keeps others from probing its cache through timing).",
+    )
 
     @field_validator("logit_bias")
     @classmethod

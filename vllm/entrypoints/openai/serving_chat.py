@@ -154,11 +154,14 @@ class OpenAIServingChat(OpenAIServing):
                 continue_final_message=request.continue_final_message,
                 add_special_tokens=request.add_special_tokens,
                 budget=self.ctx.limits.chat_template_budget,
+                lookup=self.engine.engine.input_processor.image_lookup(request.cache_salt),
             )
         except ValueError as e:
             raise bad_request(str(e)) from None
         ids = truncate_prompt(prompt["prompt_token_ids"], request.truncate_prompt_tokens)
         prompt["prompt_token_ids"] = ids
+        if request.cache_salt is not None:
+            prompt["cache_salt"] = request.cache_salt
         max_tokens = request.requested_max_tokens()
         self.check_length(len(ids), max_tokens)
         kwargs = request.sampling_kwargs()

@@ -178,6 +178,8 @@ class OpenAIServingCompletion(OpenAIServing):
         engine_prompt: dict[str, Any] = {"prompt_token_ids": ids}
         if text is not None:
             engine_prompt["prompt"] = text
+        if request.cache_salt is not None:
+            engine_prompt["cache_salt"] = request.cache_salt
         return _Prepared(text, ids, params, await self.process(engine_prompt))
 
     def _echo_text(self, request: CompletionRequest, prep: _Prepared) -> str:
