@@ -44,6 +44,7 @@ from vllm.model_executor.layers.quantization.bnb_codec import (
     QuantState4bit,
     code_table,
     dequantize_codes,
+    device_code,
     nested_scales,
     quantize_4bit,
 )
@@ -253,7 +254,7 @@ class Bnb4bitFormat(LinearFormat):
         return dequantize_codes(
             layer.weight,
             self.block_scales(layer),
-            layer.quant_code,
+            device_code(layer.quant_code, self.spec.quant_type),
             self.spec.blocksize,
             shape,
             dtype,
@@ -274,7 +275,7 @@ class Bnb4bitFormat(LinearFormat):
         return QuantizedWeight(
             layer.weight,
             layer.absmax,
-            layer.quant_code,
+            device_code(layer.quant_code, self.spec.quant_type),
             self.spec.blocksize,
             **nested,
         )
