@@ -22,7 +22,10 @@ from vllm.config import (
 )
 from vllm.engine.cli_args import add_engine_cli_args, parse_limit_mm_per_prompt
 from vllm.logger import init_logger
-from vllm.model_executor.layers.quantization import resolve_quantization
+from vllm.model_executor.layers.quantization import (
+    check_quantization_flag,
+    resolve_quantization,
+)
 from vllm.transformers_utils.config import load_mllama_config
 from vllm.transformers_utils.hub import resolve_model
 
@@ -119,7 +122,7 @@ class EngineArgs:
         return torch.device(self.device)
 
     def _check_unsupported(self) -> None:
-        resolve_quantization(self.quantization, "auto", None)  # the flag alone, early
+        check_quantization_flag(self.quantization)  # the flag alone, early
         if self.tensor_parallel_size != 1:
             raise ValueError("tensor_parallel_size > 1 is not supported yet (one GPU per model)")
         if self.pipeline_parallel_size != 1:

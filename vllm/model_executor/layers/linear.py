@@ -47,11 +47,19 @@ def default_weight_loader(
         param.copy_(loaded)
 
 
+FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
+
+
 def _check_plain(loaded: object) -> None:
     if not isinstance(loaded, torch.Tensor):
         raise WeightShapeError(
             f"expected a plain tensor, got {type(loaded).__name__} (a quantized matrix for a "
             "parameter that is not stored quantized)"
+        )
+    if loaded.dtype in FP8_DTYPES:
+        raise WeightShapeError(
+            f"got a {loaded.dtype} tensor for a layer that is not stored in FP8 (the "
+            "checkpoint's quantization_config ignores it, or names no FP8 scheme for it)"
         )
 
 
