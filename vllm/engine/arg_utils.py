@@ -138,7 +138,10 @@ class EngineArgs:
                 raise ValueError(f"{name} must be a dict (JSON object), got "
                                  f"{type(value).__name__}")
         if self.kv_cache_dtype != "auto":
-            raise ValueError(f"kv_cache_dtype={self.kv_cache_dtype!r} is not supported yet")
+            raise ValueError(
+                f"kv_cache_dtype={self.kv_cache_dtype!r} is not supported: the KV cache (self "
+                "and cross attention) is kept in the model dtype; supported: 'auto'. FP8 "
+                "weights (--quantization fp8, or an FP8 checkpoint) work with it.")
         if self.enable_prefix_caching:
             logger.warning("Prefix caching is not supported for this encoder-decoder model; "
                            "ignoring enable_prefix_caching.")
