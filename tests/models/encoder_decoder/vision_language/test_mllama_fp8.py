@@ -20,9 +20,9 @@ import pytest
 import torch
 
 pytest.importorskip("compressed_tensors")  # the checkpoints are written by it
-from helpers.fp8_checkpoints import load_hf_fp8_model
 from helpers.compare import check_logprobs_close, vllm_greedy
 from helpers.cuda_paths import use_fused_kernels
+from helpers.fp8_checkpoints import load_hf_fp8_model
 from helpers.hf_runner import hf_greedy_logprobs, hf_inputs
 from helpers.no_sync import NoHostSync
 from PIL import Image
