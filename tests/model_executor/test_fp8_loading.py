@@ -228,3 +228,19 @@ def test_fp8_weight_bytes_match_the_published_checkpoints(
         torch.set_default_dtype(old)
     stored = sum(v.numel() * v.element_size() for v in model.state_dict().values())
     assert abs(stored / (gigabytes * 1e9) - 1) < 0.005
+
+
+def test_90b_fits_one_h200_in_fp8_not_in_bf16() -> None:
+    """The up-front memory check: 90B's bf16 weights do not fit in 0.9 of an H200 (and the
+    refusal names the FP8 flag); its FP8 weights (and the dequantization scratch) do."""
+    from vllm.engine.arg_utils import EngineArgs
+    from vllm.worker.memory import check_device_memory, weight_bytes
+
+    h200 = 143_771 << 20  # bytes the device reports
+    args = dict(model="demo/mllama-90b", load_format="dummy", max_model_len=8192)
+    bf16 = EngineArgs(**args).create_engine_config()
+    with pytest.raises(ValueError, match=r"weights alone need .* in bfloat16.*--quantization fp8"):
+        check_device_memory(bf16, h200)
+    fp8 = EngineArgs(**args, quantization="fp8").create_engine_config()
+    assert abs(weight_bytes(fp8) / 1e9 - 92.6) < 0.2  # 91.6 GB + the 0.94 GB gate|up scratch
+    check_device_memory(fp8, h200)

@@ -17,6 +17,7 @@ from vllm.config import VllmConfig
 from vllm.forward_context import set_forward_context
 from vllm.logger import init_logger
 from vllm.model_executor.model_loader.loader import build_model, plan_quantization
+from vllm.model_executor.model_loader.quant_plan import quantized_linears
 from vllm.model_executor.models.mllama import MllamaForConditionalGeneration
 from vllm.multimodal.cross_attention import image_runs, last_group
 from vllm.multimodal.processing import ImageInputs, ProcessedInputs
@@ -101,12 +102,17 @@ def profile_prefill_peak(cfg: VllmConfig, loaded: LoadedModel) -> int:
 
 def weight_bytes(config: VllmConfig) -> int:
     """Bytes of the model's parameters and buffers in its dtype, quantized layers as they are
-    stored (built on the meta device: nothing is allocated)."""
+    stored plus their shared dequantization scratch (built on the meta device: nothing is
+    allocated)."""
     mc = config.model_config
     plan = plan_quantization(mc.model_path, mc.load_format, mc.quantization, mc.spec)
     model = build_model(mc.spec, mc.dtype, torch.device("meta"), mc.max_model_len, plan.config)
     tensors = [*model.parameters(), *model.buffers()]
-    return sum(t.numel() * t.element_size() for t in tensors)
+    # Quantized layers share one dense scratch matrix (prefill), as large as the largest.
+    elem = torch.empty((), dtype=mc.dtype).element_size()
+    scratch = max((m.out_features * m.in_features for m in quantized_linears(model).values()),
+                  default=0) * elem
+    return sum(t.numel() * t.element_size() for t in tensors) + scratch
 
 
 def prefill_activation_estimate(config: VllmConfig) -> int:
