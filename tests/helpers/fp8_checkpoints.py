@@ -44,6 +44,7 @@ class Variant:
     preset: str = "FP8_DYNAMIC"  # per-channel weights, dynamic per-token activations
     dtype: torch.dtype = torch.bfloat16  # the model's (and so the scales') dtype
     extra_ignore: tuple[str, ...] = ()  # in-memory names, besides the published layout's
+    ignore: tuple[str, ...] | None = None  # instead of the published layout's
     # Write the recipe's regex list into config.json instead of the expanded names
     # compressed-tensors writes.
     recipe_ignore: bool = False
@@ -60,6 +61,8 @@ VARIANTS = {
     ),
     # Per-tensor weight scales and static FP8 input scales (preset FP8), float32 scales.
     "fp8-tensor": Variant("fp8-tensor", preset="FP8", dtype=torch.float32),
+    # Every linear but the LM head, the vision tower's (with biases) and the projector included.
+    "fp8-all": Variant("fp8-all", ignore=("re:.*lm_head",)),
     # q_proj of one self-attention layer ignored, its k and v FP8: not servable fused.
     "fp8-partial": Variant(
         "fp8-partial", extra_ignore=("model.language_model.layers.0.self_attn.q_proj",)
@@ -108,7 +111,8 @@ def make_checkpoint(dst: Path, variant: Variant, src: Path | None = None) -> Pat
     src = src or demo_path()
     model = MllamaForConditionalGeneration.from_pretrained(str(src), dtype=variant.dtype)
     scheme = preset_name_to_scheme(variant.preset, ["Linear"])
-    ignore = [*_IN_MEMORY_IGNORE, *variant.extra_ignore]
+    base = _IN_MEMORY_IGNORE if variant.ignore is None else list(variant.ignore)
+    ignore = [*base, *variant.extra_ignore]
     apply_quantization_config(
         model, QuantizationConfig(config_groups={"group_0": scheme}, ignore=ignore)
     )

@@ -54,7 +54,12 @@ PROMPTS = [
         "multi_modal_data": {"image": [_image(56, 56, 2), _image(224, 224, 3)]},
     },
 ]
-DTYPES = {"fp8-dynamic": "bfloat16", "fp8-keep-cross": "bfloat16", "fp8-tensor": "float32"}
+DTYPES = {
+    "fp8-dynamic": "bfloat16",
+    "fp8-keep-cross": "bfloat16",
+    "fp8-tensor": "float32",
+    "fp8-all": "bfloat16",
+}
 
 
 def _hf_reference(llm: LLM, model: torch.nn.Module, dtype: torch.dtype) -> list:
@@ -97,6 +102,7 @@ CASES = [
     ("fp8-dynamic", True),
     ("fp8-keep-cross", False),
     ("fp8-tensor", False),
+    ("fp8-all", False),
 ]
 
 
@@ -121,7 +127,8 @@ def test_fp8_checkpoint_matches_hf(name: str, eager: bool, fp8_checkpoint, hf_re
     ]
     cross = model.language_model.model.layers[3].cross_attn  # FP8 in every variant
     assert cross.kv_proj in quantized and model.language_model.lm_head not in quantized
-    assert not [m for m in model.vision_model.modules() if m in quantized]
+    vision = [m for m in model.vision_model.modules() if m in quantized]
+    assert bool(vision) == (name == "fp8-all")
     launch = engine.runner.launch
 
     def strict_launch(*args: object) -> object:  # the FP8 torch path reads nothing on the host
@@ -157,7 +164,7 @@ def _run(path: str, monkeypatch, fused: bool) -> list:
         assert kinds == ["linear_kernel", "Fp8Format"]
         assert mlp.gate_up_proj._silu_kernels[0] is not None
     outputs = llm.generate(
-        PROMPTS[:1],
+        PROMPTS[:2],
         SamplingParams(temperature=0, max_tokens=3, logprobs=NUM_LOGPROBS),
         use_tqdm=False,
     )
@@ -168,9 +175,9 @@ def _run(path: str, monkeypatch, fused: bool) -> list:
 
 def test_fused_kernels_on_cpu_match_the_torch_path(fp8_checkpoint, monkeypatch) -> None:
     """The CUDA code path run on the CPU in Triton's interpreter with its bounds checks: the
-    FP8 decode GEMMs (the SiLU epilogue for gate|up) inside the emulated graphs, prefill
-    through the dequantized scratch, against the torch path. (In float32: the interpreter
+    FP8 decode GEMMs (the SiLU epilogue for gate|up) inside the emulated graphs, prefill and
+    the (here FP8) vision tower through the dequantized scratch, against the torch path. (In float32: the interpreter
     truncates float32 to bfloat16, which no GPU does.)"""
-    path = str(fp8_checkpoint("fp8-dynamic"))
+    path = str(fp8_checkpoint("fp8-all"))
     reference = _run(path, monkeypatch, fused=False)
     check_logprobs_close(reference, _run(path, monkeypatch, fused=True), "torch", "triton")
