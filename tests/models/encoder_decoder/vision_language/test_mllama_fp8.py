@@ -175,9 +175,10 @@ def _run(path: str, monkeypatch, fused: bool) -> list:
 
 def test_fused_kernels_on_cpu_match_the_torch_path(fp8_checkpoint, monkeypatch) -> None:
     """The CUDA code path run on the CPU in Triton's interpreter with its bounds checks: the
-    FP8 decode GEMMs (the SiLU epilogue for gate|up) inside the emulated graphs, prefill and
-    the (here FP8) vision tower through the dequantized scratch, against the torch path. (In float32: the interpreter
-    truncates float32 to bfloat16, which no GPU does.)"""
+    FP8 decode GEMMs (the SiLU epilogue for gate|up) inside the emulated graphs of both
+    families, prefill and the (here FP8) vision tower through the dequantized scratch, against
+    the torch path. (In float32: the interpreter truncates float32 to bfloat16, which no GPU
+    does.)"""
     path = str(fp8_checkpoint("fp8-all"))
     reference = _run(path, monkeypatch, fused=False)
     check_logprobs_close(reference, _run(path, monkeypatch, fused=True), "torch", "triton")
