@@ -244,3 +244,18 @@ def test_90b_fits_one_h200_in_fp8_not_in_bf16() -> None:
     fp8 = EngineArgs(**args, quantization="fp8").create_engine_config()
     assert abs(weight_bytes(fp8) / 1e9 - 92.6) < 0.2  # 91.6 GB + the 0.94 GB gate|up scratch
     check_device_memory(fp8, h200)
+
+
+def test_zero_points_are_dropped_when_symmetric(fp8_checkpoint, tmp_path: Path) -> None:
+    """Checkpoints that kept all-zero weight zero points load as the others; non-zero ones
+    (asymmetric) are refused, naming the tensor."""
+    path = fp8_checkpoint("fp8-dynamic")
+    t = _tensors(path)
+    zp = f"{QKV0}.k_proj.weight_zero_point"
+    t[zp] = torch.zeros(t[f"{QKV0}.k_proj.weight_scale"].shape, dtype=BF16)
+    a = _load(path).state_dict()
+    b = _load(_copy(path, tmp_path / "zero", t)).state_dict()
+    assert all(_same(a[k], b[k]) for k in a)
+    t[zp][0] = 3
+    with pytest.raises(WeightLoadError, match=rf"'{zp}': non-zero weight zero points"):
+        _load(_copy(path, tmp_path / "nonzero", t))

@@ -12,10 +12,13 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 
+import torch
+
 from vllm.logger import init_logger
 from vllm.model_executor.layers.quantization.compressed_tensors import parse_compressed_tensors
 from vllm.model_executor.layers.quantization.fp8 import Fp8Config
 from vllm.model_executor.model_loader.quant_plan import QuantPlan, Weights
+from vllm.model_executor.models.mllama_weights import WeightLoadError
 from vllm.transformers_utils.config import QuantSpec
 
 logger = init_logger(__name__)
@@ -24,11 +27,19 @@ _ACTIVATION_SCALES = (".input_scale", ".input_zero_point")
 
 
 def drop_activation_scales(weights: Weights) -> Iterator[tuple[str, object, str]]:
-    """Passes the tensors through but the static activation scales (weight-only numerics)."""
+    """Passes the tensors through but the static activation scales (weight-only numerics) and
+    the all-zero weight zero points some versions of compressed-tensors wrote (symmetric)."""
     dropped = 0
     for name, tensor, file in weights:
         if name.endswith(_ACTIVATION_SCALES):
             dropped += 1
+            continue
+        if name.endswith(".weight_zero_point"):
+            if torch.count_nonzero(tensor):
+                raise WeightLoadError(
+                    f"{file}: tensor {name!r}: non-zero weight zero points (asymmetric FP8) "
+                    "are not supported; symmetric FP8 weights are"
+                )
             continue
         yield name, tensor, file
     if dropped:
