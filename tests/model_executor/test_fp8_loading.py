@@ -259,3 +259,22 @@ def test_zero_points_are_dropped_when_symmetric(fp8_checkpoint, tmp_path: Path) 
     t[zp][0] = 3
     with pytest.raises(WeightLoadError, match=rf"'{zp}': non-zero weight zero points"):
         _load(_copy(path, tmp_path / "nonzero", t))
+
+
+def test_quantization_at_load_in_row_chunks_equals_the_whole(monkeypatch) -> None:
+    """Large tensors are quantized a few rows at a time (bounded device memory): per-channel
+    scales make that exact; a fused layer's shards land in their own rows."""
+    from vllm.model_executor.layers import linear
+    from vllm.model_executor.layers.quantization import fp8
+
+    monkeypatch.setattr(fp8, "_CHUNK_ELEMENTS", 7 * 64)  # 7 rows a step
+    g = torch.Generator().manual_seed(3)
+    layer = linear.MergedLinear(
+        64, [40, 24], ["gate", "up"], fmt=Fp8Format(quantize_on_load=True, dtype=BF16)
+    )
+    ws = [torch.randn(n, 64, generator=g) for n in (40, 24)]
+    for name, w in zip(("gate", "up"), ws, strict=True):
+        layer.weight.weight_loader(layer.weight, w, name)
+    q, s = fp8.quantize_fp8(torch.cat(ws).to(BF16))
+    assert _same(layer.weight, q) and torch.equal(layer.weight_scale, s.view(-1).float())
+    assert layer.fp8_scale_dtype == BF16

@@ -71,14 +71,15 @@ PUBLISHED_IGNORE = ("re:.*lm_head", "re:multi_modal_projector.*", "re:vision_mod
 def quantize_fp8(w: torch.Tensor, per_tensor: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """``w`` [N, K] in the model dtype -> (float8_e4m3fn [N, K], scales [N, 1] or [1] in
     ``w``'s dtype), compressed-tensors' symmetric minmax FP8 quantization, bitwise."""
-    dims = None if per_tensor else 1
-    lo = (w.amin() if per_tensor else w.amin(dim=dims, keepdim=True)).clamp(max=0)
-    hi = (w.amax() if per_tensor else w.amax(dim=dims, keepdim=True)).clamp(min=0)
-    scale = torch.maximum(lo.abs(), hi.abs()) / torch.tensor(FP8_MAX, dtype=w.dtype)
-    eps = torch.tensor(torch.finfo(w.dtype).eps, dtype=w.dtype, device=w.device)
-    scale = torch.where(scale == 0, eps, scale).reshape(-1 if per_tensor else w.shape[0], 1)
-    q = (w / (scale if not per_tensor else scale.reshape(()))).clamp(-FP8_MAX, FP8_MAX)
-    return q.to(FP8_DTYPE), scale.reshape(1) if per_tensor else scale
+    if per_tensor:
+        lo, hi = w.amin().reshape(1, 1), w.amax().reshape(1, 1)
+    else:
+        lo, hi = w.amin(dim=1, keepdim=True), w.amax(dim=1, keepdim=True)
+    amax = torch.maximum(lo.clamp(max=0).abs(), hi.clamp(min=0).abs())
+    scale = amax / torch.tensor(FP8_MAX, dtype=w.dtype)
+    scale = torch.where(scale == 0, torch.finfo(w.dtype).eps, scale)  # as compressed-tensors
+    q = (w / scale).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
+    return q, scale.reshape(1) if per_tensor else scale
 
 
 def dequantize(
