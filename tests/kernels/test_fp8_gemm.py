@@ -107,10 +107,17 @@ def test_dequantized_matrix_is_the_reference_bitwise(
     assert same_bits(fmt.dequantize(layer, dtype), ref)  # the torch path, the same values
 
 
+CONFIGS = [
+    Fp8Config(16, 32, 128, num_stages=2),  # tensor cores
+    Fp8Config(32, 64, 64, num_stages=2),
+    Fp8Config(1, 64, 128),  # CUDA cores
+    Fp8Config(4, 16, 64, split_k=2),  # CUDA cores, K split over two programs
+    Fp8Config(16, 16, 64, split_k=4),  # tensor cores, K split
+]
+
+
 @pytest.mark.parametrize("m", [1, 3, 16, 21])
-@pytest.mark.parametrize(
-    "cfg", [Fp8Config(16, 32, 128, num_stages=2), Fp8Config(32, 64, 64, num_stages=2)]
-)
+@pytest.mark.parametrize("cfg", CONFIGS, ids=str)
 def test_gemm_matches_dequantize_and_matmul(m: int, cfg: Fp8Config) -> None:
     """Rows below, at and above the row block; N (176) not a multiple of the column block."""
     layer, q, s = fp8_layer([80, 48, 48], 256, seed=m)
@@ -136,18 +143,31 @@ def test_fp16_gemm_float32_scales_and_float32_out() -> None:
 
 
 @pytest.mark.parametrize("m", [1, 17])
-def test_silu_epilogue_equals_gemm_then_silu_and_mul(m: int) -> None:
+@pytest.mark.parametrize("cfg", [CONFIGS[0], CONFIGS[3]], ids=str)
+def test_silu_epilogue_equals_gemm_then_silu_and_mul(m: int, cfg: Fp8Config) -> None:
     """gate|up with SiLU-and-multiply in the epilogue: bitwise the GEMM (same config) then
     ``silu_and_mul``; close to the torch reference."""
     layer, q, s = fp8_layer([80, 80], 256, seed=m + 3)
     fw = layer.fmt.fp8_weight(layer)
     x = torch.randn(m, 256).to(DEVICE, torch.bfloat16)
-    cfg = Fp8Config(16, 32, 128, num_stages=2)
     y = fp8_gemm.fp8_gemm_silu(x, fw, cfg)
     assert y.shape == (m, 80) and torch.equal(y, silu_and_mul(fp8_gemm.fp8_gemm(x, fw, cfg)))
     exact = (x.float() @ q.float().T) * s  # the kernel's math in float32
     expected = F.silu(exact[:, :80]) * exact[:, 80:]
     torch.testing.assert_close(y.float(), expected, rtol=2**-5, atol=2**-7)
+
+
+def test_default_configs() -> None:
+    """The decode buckets up to 8 rows run on the CUDA cores, split over K until the memory
+    system has about a thousand programs; wider buckets on the tensor cores; every default
+    divides the 11B shapes' K."""
+    for m in (1, 2, 4, 8, 16, 64, 256):
+        for n, k in ((6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336)):
+            cfg = fp8_gemm.default_config(m, n, k)
+            assert cfg.fits(k) and cfg.block_m >= min(m, 64)
+            assert cfg.cuda_cores == (m <= 8)
+    one = fp8_gemm.default_config(1, 4096, 4096)
+    assert (one.block_m, one.split_k) == (1, 8) and -(-4096 // one.block_n) * one.split_k >= 512
 
 
 def _kinds(table: list) -> list[str]:

@@ -150,8 +150,9 @@ def test_fp8_gemm_and_dequantize() -> None:
     dense = (q.to(DT) * s).to(DT)
     x = rows_past_2_31(3, 256, seed=18)
     out = rows_past_2_31(3, 64, seed=19)
-    fp8_gemm(x, fw, Fp8Config(16, 32, 128, num_stages=2), out)
-    torch.testing.assert_close(out, F.linear(x.contiguous(), dense), **TOL)
+    for cfg in (Fp8Config(16, 32, 128, num_stages=2), Fp8Config(2, 32, 64, split_k=2)):
+        fp8_gemm(x, fw, cfg, out)
+        torch.testing.assert_close(out, F.linear(x.contiguous(), dense), **TOL)
     matrix = rows_past_2_31(17, 256, seed=20, stride=BIG // 8)  # row 16 starts at 2^31
     dequantize(Fp8Weight(q[:17], fw.scale[:17], DT), matrix)
     assert torch.equal(matrix.contiguous(), dense[:17])

@@ -2,11 +2,15 @@
 
 The weight stays as the checkpoint stores it, float8_e4m3fn [N, K], with one float32 scale per
 output row (a per-tensor checkpoint scale is repeated over its rows at load). Each program
-converts its weight tile to the activation dtype in registers (exact: every e4m3 value is a
-bf16 and an fp16 value) and feeds it to ``tl.dot`` with float32 accumulation over the whole K
-(no split, one launch, a fixed reduction order per config); the channel scale multiplies the
-float32 accumulator in the epilogue, and the product is rounded once to the activation dtype.
-Activations are never quantized. Row blocks sharing a weight tile run next to each other, as in
+converts its weight tile in registers (exact: every e4m3 value is a bf16, an fp16 and an fp32
+value) and multiplies it with the activations, summing in float32; the channel scale multiplies
+the float32 sum in the epilogue, and the product is rounded once to the activation dtype.
+Activations are never quantized. Tiles of at most ``MAX_CUDA_CORE_ROWS`` rows (the small decode
+buckets: the whole time is reading the weight) multiply on the CUDA cores, products summed per
+lane and reduced once after the K loop; wider tiles feed ``tl.dot`` on the tensor cores. Where
+the output tiles are too few to keep the memory system busy, K is split over programs whose
+float32 partial sums a second kernel adds in split order: a fixed reduction order per config,
+as the graph contract needs. Row blocks sharing a weight tile run next to each other, as in
 ``skinny_gemm.py``.
 
 The epilogue scale is the exact product of the weight and its scale; the reference
@@ -39,46 +43,116 @@ _INTERPRETED = envs.TRITON_INTERPRET
 # Kernel signatures and calls stay one argument group a line, as in skinny_gemm.py.
 # fmt: off
 @triton.jit
-def _fp8_gemm_kernel(x_ptr, w_ptr, s_ptr, y_ptr, M, N, x_stride, y_stride,
+def _scaled_epilogue(acc, acc_u, scale, scale_u, dt: tl.constexpr, out_dt: tl.constexpr,
+                     SILU_MUL: tl.constexpr):
+    # The channel scale on the float32 sums, rounded to the activation dtype as a 16-bit
+    # linear's output is; with SILU_MUL silu(gate) * up, each rounded as the separate GEMM and
+    # ``silu_and_mul`` round them.
+    g = (acc * scale[None, :]).to(dt).to(tl.float32)
+    if SILU_MUL:
+        up = (acc_u * scale_u[None, :]).to(dt).to(tl.float32)
+        y = (g / (1.0 + tl.exp(-g)) * up).to(out_dt)
+    else:
+        y = g.to(out_dt)
+    return y
+
+
+@triton.jit
+def _finish(acc, acc_u, s_ptr, y_ptr, p_ptr, rows, cols, row_ok, col_ok, M, N, y_stride, pid_k,
+            dt: tl.constexpr, SPLIT_K: tl.constexpr, SILU_MUL: tl.constexpr):
+    # Without a K split: the epilogue and the output. With one: the unscaled float32 partial
+    # sums ([SPLIT_K, M, N], twice N with SILU_MUL) for ``_split_reduce_kernel``.
+    mask = row_ok[:, None] & col_ok[None, :]
+    if SPLIT_K == 1:
+        scale = tl.load(s_ptr + cols, mask=col_ok, other=0.0)
+        scale_u = scale
+        if SILU_MUL:
+            scale_u = tl.load(s_ptr + N + cols, mask=col_ok, other=0.0)
+        y = _scaled_epilogue(acc, acc_u, scale, scale_u, dt, y_ptr.dtype.element_ty, SILU_MUL)
+        tl.store(y_ptr + rows.to(tl.int64)[:, None] * y_stride + cols[None, :], y, mask=mask)
+    else:
+        width = 2 * N if SILU_MUL else N
+        p_ptrs = p_ptr + (pid_k * M + rows.to(tl.int64))[:, None] * width + cols[None, :]
+        tl.store(p_ptrs, acc, mask=mask)
+        if SILU_MUL:
+            tl.store(p_ptrs + N, acc_u, mask=mask)
+
+
+@triton.jit
+def _fp8_gemm_kernel(x_ptr, w_ptr, s_ptr, y_ptr, p_ptr, M, N, x_stride, y_stride,
                      K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                     BLOCK_K: tl.constexpr, DOT_F32: tl.constexpr, SILU_MUL: tl.constexpr):
+                     BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr, CUDA_CORES: tl.constexpr,
+                     DOT_F32: tl.constexpr, SILU_MUL: tl.constexpr):
     # Row blocks vary fastest: the programs converting one weight tile run back to back.
-    # SILU_MUL: rows [0, N) are gate, [N, 2N) up; the epilogue is silu(gate) * up, each
-    # rounded as the separate GEMM and ``silu_and_mul`` round them.
+    # Program (m, n, s) sums K range [s * K / SPLIT_K, (s + 1) * K / SPLIT_K) of its tile.
+    # SILU_MUL: weight rows [0, N) are gate, [N, 2N) up.
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
+    pid_k = tl.program_id(2)
     rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     row_ok = rows < M
     col_ok = cols < N
-    ks = tl.arange(0, BLOCK_K)
+    per_split: tl.constexpr = K // SPLIT_K
+    ks = pid_k * per_split + tl.arange(0, BLOCK_K)
     x_ptrs = x_ptr + rows.to(tl.int64)[:, None] * x_stride + ks[None, :]
     w_ptrs = w_ptr + cols.to(tl.int64)[:, None] * K + ks[None, :]
     u_ptrs = w_ptr + (cols + N).to(tl.int64)[:, None] * K + ks[None, :]
     dt = x_ptr.dtype.element_ty
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    acc_u = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    # K is a multiple of BLOCK_K (checked by the caller): no K masks in the loop.
-    for _ in range(0, K, BLOCK_K):
-        x = tl.load(x_ptrs, mask=row_ok[:, None], other=0.0)
-        w = tl.load(w_ptrs, mask=col_ok[:, None], other=0.0)
-        acc = _dot_acc(acc, x, w.to(dt), DOT_F32)
+    if CUDA_CORES:  # per-lane float32 sums of exact products, reduced after the loop
+        acc3 = tl.zeros((BLOCK_M, BLOCK_N, BLOCK_K), dtype=tl.float32)
+        acc3_u = tl.zeros((BLOCK_M, BLOCK_N, BLOCK_K), dtype=tl.float32)
+        for _ in range(0, per_split, BLOCK_K):
+            x = tl.load(x_ptrs, mask=row_ok[:, None], other=0.0).to(tl.float32)
+            w = tl.load(w_ptrs, mask=col_ok[:, None], other=0.0).to(tl.float32)
+            acc3 += x[:, None, :] * w[None, :, :]
+            if SILU_MUL:
+                u = tl.load(u_ptrs, mask=col_ok[:, None], other=0.0).to(tl.float32)
+                acc3_u += x[:, None, :] * u[None, :, :]
+                u_ptrs += BLOCK_K
+            x_ptrs += BLOCK_K
+            w_ptrs += BLOCK_K
+        acc = tl.sum(acc3, axis=2)
+        acc_u = tl.sum(acc3_u, axis=2)
+    else:  # tensor cores: the tile converted to the activation dtype (exact)
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        acc_u = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for _ in range(0, per_split, BLOCK_K):
+            x = tl.load(x_ptrs, mask=row_ok[:, None], other=0.0)
+            w = tl.load(w_ptrs, mask=col_ok[:, None], other=0.0)
+            acc = _dot_acc(acc, x, w.to(dt), DOT_F32)
+            if SILU_MUL:
+                u = tl.load(u_ptrs, mask=col_ok[:, None], other=0.0)
+                acc_u = _dot_acc(acc_u, x, u.to(dt), DOT_F32)
+                u_ptrs += BLOCK_K
+            x_ptrs += BLOCK_K
+            w_ptrs += BLOCK_K
+    _finish(acc, acc_u, s_ptr, y_ptr, p_ptr, rows, cols, row_ok, col_ok, M, N, y_stride, pid_k,
+            dt, SPLIT_K, SILU_MUL)
+
+
+@triton.jit
+def _split_reduce_kernel(p_ptr, s_ptr, y_ptr, M, N, y_stride, SPLIT_K: tl.constexpr,
+                         SILU_MUL: tl.constexpr, BLOCK: tl.constexpr, DT: tl.constexpr):
+    # y = epilogue(sum over splits, in split order, of the partial sums).
+    i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    ok = i < M * N
+    m = (i // N).to(tl.int64)
+    n = i % N
+    width = 2 * N if SILU_MUL else N
+    acc = tl.zeros((1, BLOCK), dtype=tl.float32)
+    acc_u = tl.zeros((1, BLOCK), dtype=tl.float32)
+    for s in tl.static_range(SPLIT_K):
+        ptrs = p_ptr + (s * M + m) * width + n
+        acc += tl.load(ptrs, mask=ok, other=0.0)[None, :]
         if SILU_MUL:
-            u = tl.load(u_ptrs, mask=col_ok[:, None], other=0.0)
-            acc_u = _dot_acc(acc_u, x, u.to(dt), DOT_F32)
-            u_ptrs += BLOCK_K
-        x_ptrs += BLOCK_K
-        w_ptrs += BLOCK_K
-    scale = tl.load(s_ptr + cols, mask=col_ok, other=0.0)
+            acc_u += tl.load(ptrs + N, mask=ok, other=0.0)[None, :]
+    scale = tl.load(s_ptr + n, mask=ok, other=0.0)
+    scale_u = scale
     if SILU_MUL:
-        scale_u = tl.load(s_ptr + N + cols, mask=col_ok, other=0.0)
-        g = (acc * scale[None, :]).to(dt).to(tl.float32)
-        up = (acc_u * scale_u[None, :]).to(dt).to(tl.float32)
-        y = (g / (1.0 + tl.exp(-g)) * up).to(y_ptr.dtype.element_ty)
-    else:
-        y = (acc * scale[None, :]).to(dt).to(y_ptr.dtype.element_ty)
-    y_ptrs = y_ptr + rows.to(tl.int64)[:, None] * y_stride + cols[None, :]
-    tl.store(y_ptrs, y, mask=row_ok[:, None] & col_ok[None, :])
+        scale_u = tl.load(s_ptr + N + n, mask=ok, other=0.0)
+    y = _scaled_epilogue(acc, acc_u, scale, scale_u, DT, y_ptr.dtype.element_ty, SILU_MUL)
+    tl.store(y_ptr + m * y_stride + n, tl.reshape(y, (BLOCK,)), mask=ok)
 
 
 @triton.jit
@@ -111,15 +185,29 @@ class Fp8Weight:
         return self.weight.shape[0], self.weight.shape[1]
 
 
+MAX_CUDA_CORE_ROWS = 8  # row tiles up to this many rows multiply on the CUDA cores
+
+
 @dataclass(frozen=True)
 class Fp8Config:
-    """One launch shape of the GEMM."""
+    """One launch shape of the GEMM: row, column and K tile, and the K split (programs per
+    tile, summed by a second kernel in split order). Row tiles of at most
+    ``MAX_CUDA_CORE_ROWS`` run on the CUDA cores, wider ones (16 and up) on the tensor cores."""
 
     block_m: int
     block_n: int
     block_k: int
+    split_k: int = 1
     num_warps: int = 4
     num_stages: int = 3
+
+    @property
+    def cuda_cores(self) -> bool:
+        return self.block_m <= MAX_CUDA_CORE_ROWS
+
+    def fits(self, k: int) -> bool:
+        """Whether K divides into this config's splits and tiles."""
+        return k % (self.split_k * self.block_k) == 0
 
 
 def _block_k(k: int, preferred: int) -> int:
@@ -134,10 +222,21 @@ def _block_k(k: int, preferred: int) -> int:
 
 def default_config(m: int, n: int, k: int) -> Fp8Config:
     """A launch shape for an [m, k] x [n, k]^T product. (A starting point: the configs of the
-    decode buckets are to be tuned on the GPU with ``benchmarks/kernels/fp8.py``.)"""
+    decode buckets are to be tuned on the GPU with ``benchmarks/kernels/fp8.py --sweep``.)"""
+    if m <= MAX_CUDA_CORE_ROWS:
+        # Per-lane sums: BLOCK_M x BLOCK_N x BLOCK_K float32 registers, 64 a thread at 4 warps.
+        block_m = 1 << (m - 1).bit_length()  # 1, 2, 4 or 8
+        block_n = {1: 64, 2: 32}.get(block_m, 16)
+        block_k = _block_k(k, 64 if block_m == 8 else 128)
+        tiles = -(-n // block_n)
+        split = 1
+        # Enough programs to keep the memory system busy (an H200 has 132 SMs).
+        while tiles * split < 1024 and (k // block_k) % (2 * split) == 0 and split < 8:
+            split *= 2
+        return Fp8Config(block_m, block_n, block_k, split)
     block_m = 16 if m <= 16 else (32 if m <= 32 else 64)
-    # Decode is bandwidth-bound: the widest column block that still gives every SM (132 on an
-    # H200) about two programs streaming weights (o_proj's 4096 rows: 256 blocks of 16).
+    # The widest column block that still gives every SM about two programs streaming weights
+    # (o_proj's 4096 rows: 256 blocks of 16).
     block_n = next((b for b in (64, 32) if n // b >= 256), 16)
     return Fp8Config(block_m, block_n, _block_k(k, 128 if m > 32 else 256))
 
@@ -206,29 +305,30 @@ def _launch(
     if x.dim() != 2 or x.shape[1] != k or x.stride(1) != 1:
         raise ValueError(f"input of shape {tuple(x.shape)} for a weight of {fw.shape}")
     cfg = config or default_config(m, n, k)
-    if k % cfg.block_k:
-        raise ValueError(f"K={k} is not a multiple of block_k={cfg.block_k}")
+    if not cfg.fits(k):
+        raise ValueError(f"K={k} does not divide into {cfg}")
     y = out if out is not None else torch.empty((m, n), dtype=x.dtype, device=x.device)
     assert y.shape == (m, n) and y.stride(1) == 1
-    grid = (triton.cdiv(m, cfg.block_m), triton.cdiv(n, cfg.block_n))
+    partial = y  # unused without a K split
+    if cfg.split_k > 1:
+        width = 2 * n if silu_mul else n
+        partial = torch.empty((cfg.split_k, m, width), dtype=torch.float32, device=x.device)
+    grid = (triton.cdiv(m, cfg.block_m), triton.cdiv(n, cfg.block_n), cfg.split_k)
     _fp8_gemm_kernel[grid](
-        x,
-        fw.weight,
-        fw.scale,
-        y,
-        m,
-        n,
-        x.stride(0),
-        y.stride(0),
-        K=k,
-        BLOCK_M=cfg.block_m,
-        BLOCK_N=cfg.block_n,
-        BLOCK_K=cfg.block_k,
-        DOT_F32=_INTERPRETED or x.dtype == torch.float32,
-        SILU_MUL=silu_mul,
-        num_warps=cfg.num_warps,
-        num_stages=cfg.num_stages,
-    )
+        x, fw.weight, fw.scale, y, partial,
+        m, n, x.stride(0), y.stride(0),
+        K=k, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
+        SPLIT_K=cfg.split_k, CUDA_CORES=cfg.cuda_cores,
+        DOT_F32=_INTERPRETED or x.dtype == torch.float32, SILU_MUL=silu_mul,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )  # fmt: skip
+    if cfg.split_k > 1:
+        block = 1024
+        _split_reduce_kernel[(triton.cdiv(m * n, block),)](
+            partial, fw.scale, y, m, n, y.stride(0),
+            SPLIT_K=cfg.split_k, SILU_MUL=silu_mul, BLOCK=block, DT=_triton_dtype(x.dtype),
+            num_warps=4,
+        )  # fmt: skip
     return y
 
 
