@@ -83,13 +83,27 @@ def make_copies(n: int, k: int) -> Copies:
 
 
 def sweep(m: int) -> list[Fp8Config]:
-    block_ms = [16] if m <= 16 else ([32] if m <= 32 else [64, 128])
-    return [
-        Fp8Config(bm, bn, bk, num_warps=w, num_stages=st)
-        for bm, bn, bk, w, st in itertools.product(
-            block_ms, [32, 64, 128], [64, 128, 256], [4, 8], [2, 3, 4]
-        )
-    ]
+    """Launch shapes to try for ``m`` rows: CUDA-core tiles (with K splits) up to 8 rows,
+    tensor-core tiles from 16 (and for 8 too)."""
+    out = []
+    if m <= fp8_gemm.MAX_CUDA_CORE_ROWS:
+        bm = 1 << (m - 1).bit_length()
+        out += [
+            Fp8Config(bm, bn, bk, split_k=sk, num_warps=w, num_stages=st)
+            for bn, bk, sk, w, st in itertools.product(
+                [16, 32, 64], [32, 64, 128], [1, 2, 4, 8], [2, 4], [2, 3]
+            )
+            if bm * bn * bk <= 16384
+        ]
+    if m >= 8:
+        block_ms = [16] if m <= 16 else ([32] if m <= 32 else [64, 128])
+        out += [
+            Fp8Config(bm, bn, bk, split_k=sk, num_warps=w, num_stages=st)
+            for bm, bn, bk, sk, w, st in itertools.product(
+                block_ms, [16, 32, 64, 128], [64, 128, 256], [1, 2], [4, 8], [2, 3, 4]
+            )
+        ]
+    return out
 
 
 def _scaled_mm(fast: bool) -> Callable[[torch.Tensor, Fp8Weight], torch.Tensor]:
@@ -123,9 +137,7 @@ def bench_row(x: torch.Tensor, c: Copies, silu: bool, do_sweep: bool, copy_gb_s:
     row["fp8"] = {**entry(time_calls(lambda fw: run(x, fw, cfg), c.fp8)), "config": str(cfg)}
     if do_sweep:
         timed = [
-            (time_calls(lambda fw, s=s: run(x, fw, s), c.fp8), s)
-            for s in sweep(m)
-            if k % s.block_k == 0
+            (time_calls(lambda fw, s=s: run(x, fw, s), c.fp8), s) for s in sweep(m) if s.fits(k)
         ]
         us, best = min(timed, key=lambda t: t[0])
         row["fp8_best"] = {**entry(us), "config": str(best)}
