@@ -10,6 +10,8 @@ within the reference's own weight rounding.
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -168,6 +170,36 @@ def test_default_configs() -> None:
             assert cfg.cuda_cores == (m <= 8)
     one = fp8_gemm.default_config(1, 4096, 4096)
     assert (one.block_m, one.split_k) == (1, 8) and -(-4096 // one.block_n) * one.split_k >= 512
+
+
+def test_tuned_table_entries(tmp_path, monkeypatch) -> None:
+    """A GPU model's tuned table gives a shape's row counts their config (the entry of the
+    smallest tuned row count >= m) or the scratch path; other shapes, row counts above the
+    table and configs that do not fit K fall back to the defaults."""
+    monkeypatch.setattr(fp8_gemm, "_TUNED_DIR", tmp_path)
+    fp8_gemm._tuned.cache_clear()
+    key = fp8_gemm.table_key(4096, 4096, False)
+    table = {
+        "configs": {
+            key: {"1": vars(Fp8Config(1, 32, 128, split_k=4)), "8": "scratch"},
+            fp8_gemm.table_key(64, 96, False): {"1": vars(Fp8Config(1, 32, 128))},
+        }
+    }
+    fp8_gemm.tuned_table_path("Some GPU").write_text(json.dumps(table))
+    try:
+        assert fp8_gemm.decode_config(1, 4096, 4096, device_name="Some GPU") == Fp8Config(
+            1, 32, 128, split_k=4
+        )
+        assert fp8_gemm.decode_config(4, 4096, 4096, device_name="Some GPU") is None
+        for m, n, k, gpu in (
+            (16, 4096, 4096, "Some GPU"),
+            (1, 4096, 4096, ""),
+            (1, 64, 96, "Some GPU"),
+        ):
+            got = fp8_gemm.decode_config(m, n, k, device_name=gpu)
+            assert got == fp8_gemm.default_config(m, n, k)
+    finally:
+        fp8_gemm._tuned.cache_clear()
 
 
 def _kinds(table: list) -> list[str]:

@@ -20,13 +20,19 @@ results are compared with the reference by ``check_logprobs_close``, as for any 
 
 ``dequantize`` writes the whole matrix with the reference's rounding (for prefill-sized inputs,
 which then run a library GEMM on it, bitwise the torch path); the decode GEMM is chosen per row
-bucket at load (``quantization/fp8.py``).
+bucket at load (``quantization/fp8.py``): a GPU model's tuned table (``fp8_configs/``, written
+by ``benchmarks/kernels/fp8.py --sweep --table``) gives each shape and row count its config or
+the scratch path where it measured faster, ``default_config`` the rest.
 """
 
 from __future__ import annotations
 
+import functools
+import json
+import re
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 import triton
@@ -239,6 +245,45 @@ def default_config(m: int, n: int, k: int) -> Fp8Config:
     # (o_proj's 4096 rows: 256 blocks of 16).
     block_n = next((b for b in (64, 32) if n // b >= 256), 16)
     return Fp8Config(block_m, block_n, _block_k(k, 128 if m > 32 else 256))
+
+
+_TUNED_DIR = Path(__file__).with_name("fp8_configs")
+
+
+def tuned_table_path(device_name: str) -> Path:
+    """Where the tuned configs of a GPU model live (``benchmarks.kernels fp8 --table``)."""
+    return _TUNED_DIR / (re.sub(r"[^A-Za-z0-9]+", "_", device_name).strip("_") + ".json")
+
+
+@functools.cache
+def _tuned(device_name: str) -> dict[str, dict[int, Fp8Config | None]]:
+    path = tuned_table_path(device_name)
+    if not path.is_file():
+        return {}
+    raw = json.loads(path.read_text())
+    return {
+        key: {int(m): None if cfg == "scratch" else Fp8Config(**cfg) for m, cfg in rows.items()}
+        for key, rows in raw["configs"].items()
+    }
+
+
+def table_key(n: int, k: int, silu: bool) -> str:
+    return f"n={n},k={k}" + (",silu" if silu else "")
+
+
+def decode_config(
+    m: int, n: int, k: int, silu: bool = False, device_name: str = ""
+) -> Fp8Config | None:
+    """What ``m`` rows run: the GEMM with this config, or None for the scratch path. The
+    tuned table's entry for this GPU and shape (that of the smallest tuned row count >= m)
+    where there is one, else ``default_config``."""
+    rows = _tuned(device_name).get(table_key(n, k, silu)) if device_name else None
+    tuned = sorted(r for r in rows or () if r >= m)
+    if tuned:
+        cfg = rows[tuned[0]]  # type: ignore[index]
+        if cfg is None or cfg.fits(k):
+            return cfg
+    return default_config(m, n, k)
 
 
 def _triton_dtype(dtype: torch.dtype) -> tl.dtype:

@@ -266,11 +266,11 @@ class Fp8Format(LinearFormat):
         any_rows = self._scratch_kernel(layer, fw)
         if not self._fused_gemm(layer, target):
             return [any_rows] * count
-        n, k = layer.out_features, layer.in_features
-        decode = [
-            fp8_gemm.linear_kernel(fw, fp8_gemm.default_config(rows, n, k))
-            for rows in target.row_buckets
-        ]
+        n, k, gpu = layer.out_features, layer.in_features, _device_name(target)
+        decode = []
+        for rows in target.row_buckets:
+            cfg = fp8_gemm.decode_config(rows, n, k, device_name=gpu)
+            decode.append(any_rows if cfg is None else fp8_gemm.linear_kernel(fw, cfg))
         return [*decode, any_rows]
 
     def build_silu_kernels(self, layer: Linear, target: KernelTarget) -> list[SiluKernel | None]:
@@ -280,10 +280,18 @@ class Fp8Format(LinearFormat):
         from vllm.model_executor.layers import fp8_gemm
 
         fw = self.fp8_weight(layer)
-        n, k = layer.out_features // 2, layer.in_features
+        n, k, gpu = layer.out_features // 2, layer.in_features, _device_name(target)
         for i, rows in enumerate(target.row_buckets):
-            table[i] = fp8_gemm.silu_kernel(fw, fp8_gemm.default_config(rows, n, k))
+            cfg = fp8_gemm.decode_config(rows, n, k, silu=True, device_name=gpu)
+            table[i] = None if cfg is None else fp8_gemm.silu_kernel(fw, cfg)
         return table
+
+
+def _device_name(target: KernelTarget) -> str:
+    """The GPU model whose tuned GEMM configs apply ("" off CUDA: the default configs)."""
+    if target.device.type != "cuda":
+        return ""
+    return torch.cuda.get_device_name(target.device)
 
 
 class Fp8Config(QuantizationConfig):
