@@ -20,6 +20,10 @@ COMMANDS = {
         "benchmarks.engine.quant",
         "quantized weights (bitsandbytes, FP8) against bf16: decode, linears, TTFT, memory",
     ),
+    "load": (
+        "benchmarks.engine.load",
+        "load time and peak GPU memory of a bf16 folder quantized at load (--quantization fp8)",
+    ),
     "interleave": (
         "benchmarks.engine.interleave",
         "closed-loop inter-token latency with image arrivals, per-step trace",

@@ -22,7 +22,10 @@ from vllm.config import (
 )
 from vllm.engine.cli_args import add_engine_cli_args, parse_limit_mm_per_prompt
 from vllm.logger import init_logger
-from vllm.model_executor.layers.quantization import resolve_quantization
+from vllm.model_executor.layers.quantization import (
+    check_quantization_flag,
+    resolve_quantization,
+)
 from vllm.transformers_utils.config import load_mllama_config
 from vllm.transformers_utils.hub import resolve_model
 
@@ -120,7 +123,7 @@ class EngineArgs:
         return torch.device(self.device)
 
     def _check_unsupported(self) -> None:
-        resolve_quantization(self.quantization, "auto", None)  # the flag alone, early
+        check_quantization_flag(self.quantization)  # the flag alone, early
         if self.tensor_parallel_size != 1:
             raise ValueError("tensor_parallel_size > 1 is not supported yet (one GPU per model)")
         if self.pipeline_parallel_size != 1:
@@ -136,7 +139,10 @@ class EngineArgs:
                 raise ValueError(f"{name} must be a dict (JSON object), got "
                                  f"{type(value).__name__}")
         if self.kv_cache_dtype != "auto":
-            raise ValueError(f"kv_cache_dtype={self.kv_cache_dtype!r} is not supported yet")
+            raise ValueError(
+                f"kv_cache_dtype={self.kv_cache_dtype!r} is not supported: the KV cache (self "
+                "and cross attention) is kept in the model dtype; supported: 'auto'. FP8 "
+                "weights (--quantization fp8, or an FP8 checkpoint) work with it.")
         if self.enable_prefix_caching:
             logger.warning("Prefix caching is not supported for this encoder-decoder model; "
                            "ignoring enable_prefix_caching.")

@@ -248,8 +248,10 @@ _FLAG_SPECS: dict[str, dict[str, Any]] = {
     },
     "quantization": {
         "help": "Quantization method of the weights: 'bitsandbytes' (4-bit NF4/FP4: a "
-        "pre-quantized checkpoint, or a bf16 one quantized at load). Read from config.json "
-        "when absent."
+        "pre-quantized checkpoint, or a bf16 one quantized at load), 'compressed-tensors' "
+        "(an FP8 checkpoint), 'fp8' (a bf16 checkpoint quantized to FP8 per channel at load; "
+        "the vision tower, projector and LM head stay in --dtype). FP8 runs weight-only: "
+        "activations are not quantized. Read from config.json when absent."
     },
     "tensor_parallel_size": {
         "type": int,
@@ -271,7 +273,8 @@ _FLAG_SPECS: dict[str, dict[str, Any]] = {
     "max_logprobs": {"type": int, "help": "Maximum logprobs / top_logprobs a request may ask for."},
     "kv_cache_dtype": {
         "choices": KV_CACHE_DTYPE_CHOICES,
-        "help": "KV cache dtype (auto is supported).",
+        "help": "KV cache dtype: 'auto' (the model dtype) is supported; the FP8 ones are "
+        "refused (an error), not ignored.",
     },
     "disable_log_stats": {"action": "store_true", "help": "Disable the periodic stats log."},
     "swap_space": {

@@ -37,7 +37,11 @@ from vllm.model_executor.layers.linear import (
     UnquantizedFormat,
     WeightShapeError,
 )
-from vllm.model_executor.layers.quantization import QuantizationConfig
+from vllm.model_executor.layers.quantization import (
+    DequantScratch,
+    QuantizationConfig,
+    QuantizationError,
+)
 from vllm.model_executor.layers.quantization.bnb_codec import (
     NESTED_BLOCKSIZE,
     Packed4bit,
@@ -53,10 +57,6 @@ if TYPE_CHECKING:  # Triton is imported only where the fused kernels are chosen
     from vllm.model_executor.layers.nf4_gemm import QuantizedWeight
 
 _DTYPES = (torch.bfloat16, torch.float16, torch.float32)
-
-
-class QuantizationError(ValueError):
-    """A checkpoint's quantization cannot be served as it is (names the layer at fault)."""
 
 
 @dataclass(frozen=True)
@@ -80,23 +80,6 @@ class _Shard:
     rows: int
     group: int  # first second-level scale
     groups: int
-
-
-class DequantScratch:
-    """One matrix buffer per (device, dtype) shared by every 4-bit layer of a model: prefill-
-    sized inputs dequantize their weight into it, then run a library GEMM. Sized at load (when
-    kernels are chosen) for the largest layer, so nothing is allocated per step."""
-
-    def __init__(self) -> None:
-        self._buffers: dict[tuple[torch.device, torch.dtype], torch.Tensor] = {}
-
-    def reserve(self, numel: int, device: torch.device, dtype: torch.dtype) -> None:
-        buf = self._buffers.get((device, dtype))
-        if buf is None or buf.numel() < numel:
-            self._buffers[(device, dtype)] = torch.empty(numel, dtype=dtype, device=device)
-
-    def matrix(self, n: int, k: int, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
-        return self._buffers[(device, dtype)][: n * k].view(n, k)
 
 
 class Bnb4bitFormat(LinearFormat):
