@@ -23,6 +23,9 @@ from typing import Any
 from vllm.config import DecodingConfig
 from vllm.guided_params import GuidedDecodingError, GuidedDecodingParams
 from vllm.logger import init_logger
+from vllm.model_executor.guided_decoding.matcher import CompiledConstraint
+from vllm.model_executor.guided_decoding.schema_check import prepare_schema
+from vllm.model_executor.guided_decoding.utf8_guard import Utf8Guard
 
 logger = init_logger(__name__)
 
@@ -72,7 +75,12 @@ def spec_chars(params: GuidedDecodingParams) -> int:
     """The size of the constraint's text, in characters."""
     spec: Any = getattr(params, params.kind)
     if isinstance(spec, dict):
-        return len(json.dumps(spec))
+        try:
+            return len(json.dumps(spec))
+        except (RecursionError, TypeError, ValueError) as e:
+            raise GuidedDecodingError(
+                "guided_json is not a JSON schema (nested too deeply, or not JSON data)."
+            ) from e
     if isinstance(spec, list):
         return sum(len(c) + 1 for c in spec)
     return len(spec) if isinstance(spec, str) else 0
@@ -95,6 +103,7 @@ class GrammarCompilerService:
         self.vocab_size = vocab_size
         self.stop_token_ids = list(stop_token_ids)
         self.tokenizer_info = build_tokenizer_info(tokenizer, vocab_size, stop_token_ids)
+        self.utf8 = Utf8Guard(self.tokenizer_info.decoded_vocab, vocab_size)
         # xgrammar's own cache is off: this one is bounded, and it dedupes in-flight work.
         self._compiler = xgr.GrammarCompiler(
             self.tokenizer_info, max_threads=threads, cache_enabled=False
@@ -110,8 +119,11 @@ class GrammarCompilerService:
         self.compile_seconds: list[float] = []  # per compilation (cache misses), for reports
 
     # ------------------------------------------------------------------ public
-    def compile(self, params: GuidedDecodingParams) -> Any:
-        """The compiled grammar of ``params`` (cached); raises ``GuidedDecodingError``."""
+    def compile(self, params: GuidedDecodingParams) -> CompiledConstraint:
+        """The compiled constraint of ``params`` (cached); raises ``GuidedDecodingError``."""
+        return CompiledConstraint(self._compile_cached(params), self.utf8)
+
+    def _compile_cached(self, params: GuidedDecodingParams) -> Any:
         self._check_size(params)
         key = params.cache_key()
         with self._lock:
@@ -206,10 +218,11 @@ class GrammarCompilerService:
             if isinstance(schema, str):
                 try:
                     schema = json.loads(schema)
-                except ValueError as e:
+                except (ValueError, RecursionError) as e:
                     raise GuidedDecodingError(f"guided_json is not valid JSON: {e}") from None
             if not isinstance(schema, (dict, bool)):
                 raise GuidedDecodingError("guided_json must be a JSON schema object.")
+            schema = prepare_schema(schema)
             compact = params.disable_any_whitespace or self.config.disable_any_whitespace
             compile_fn = lambda: self._compiler.compile_json_schema(  # noqa: E731
                 json.dumps(schema),

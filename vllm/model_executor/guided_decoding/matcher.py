@@ -13,22 +13,36 @@ asynchronously; nothing here reads device memory.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
 
+import numpy as np
 import torch
 
 from vllm.guided_params import GuidedDecodingError
+from vllm.model_executor.guided_decoding.utf8_guard import GROUND, Utf8Guard
 
 _RING = 3  # pinned host buffers; see TokenBitmask.fill
+
+
+@dataclass(frozen=True, eq=False)
+class CompiledConstraint:
+    """A request's compiled constraint: the xgrammar grammar and its vocabulary's UTF-8
+    guard (``utf8_guard.py``)."""
+
+    grammar: Any  # xgrammar CompiledGrammar
+    utf8: Utf8Guard
 
 
 class SequenceGrammar:
     """One sequence's xgrammar matcher, in step with its output tokens."""
 
-    def __init__(self, compiled: object) -> None:
+    def __init__(self, compiled: CompiledConstraint) -> None:
         import xgrammar as xgr
 
         self._compiled = compiled
-        self._matcher = xgr.GrammarMatcher(compiled)
+        self._matcher = xgr.GrammarMatcher(compiled.grammar)
+        self._utf8 = GROUND
         self.num_accepted = 0
 
     @property
@@ -49,6 +63,7 @@ class SequenceGrammar:
     def rebuild(self, output_token_ids: Sequence[int]) -> None:
         """A fresh matcher that has accepted ``output_token_ids``."""
         self._matcher.reset()
+        self._utf8 = GROUND
         self.num_accepted = 0
         for token_id in output_token_ids:
             self._accept(token_id)
@@ -59,11 +74,14 @@ class SequenceGrammar:
                 f"token {token_id} at output position {self.num_accepted} does not match the "
                 "request's constraint"
             )
+        self._utf8 = self._compiled.utf8.state_after(self._utf8, int(token_id))
         self.num_accepted += 1
 
-    def fill(self, bitmask: torch.Tensor, row: int) -> None:
-        """Writes the allowed next tokens into ``bitmask[row]`` (a host int32 tensor)."""
+    def fill(self, bitmask: torch.Tensor, row: int, array: np.ndarray | None = None) -> None:
+        """Writes the allowed next tokens into ``bitmask[row]`` (a host int32 tensor;
+        ``array`` is its numpy view, when the caller has one)."""
         self._matcher.fill_next_token_bitmask(bitmask, row)
+        self._compiled.utf8.restrict(bitmask.numpy() if array is None else array, row, self._utf8)
 
 
 def bitmask_words(vocab_size: int) -> int:
@@ -82,6 +100,9 @@ class TokenBitmask:
             torch.full((max_rows, words), -1, dtype=torch.int32, pin_memory=pin)
             for _ in range(_RING)
         ]
+        # Host rows are written through numpy views: a torch op per row costs more host time
+        # (and wakes torch's thread pool on the CPU).
+        self._arrays = [h.numpy() for h in self._host]
         self._fills = 0
         self._views: dict[int, torch.Tensor] = {}
 
@@ -93,13 +114,14 @@ class TokenBitmask:
         it has been collected (the engine holds at most one step in flight), so its copy is
         done and nothing waits here."""
         n = len(grammars)
-        host = self._host[self._fills % _RING]
+        slot = self._fills % _RING
+        host, array = self._host[slot], self._arrays[slot]
         self._fills += 1
         for i, grammar in enumerate(grammars):
             if grammar is None or grammar.terminated:
-                host[i].fill_(-1)
+                array[i] = -1
             else:
-                grammar.fill(host, i)
+                grammar.fill(host, i, array)
         view = self._views.get(n)
         if view is None:
             view = self._views[n] = self.device_buffer[:n]
