@@ -48,7 +48,8 @@ def test_warmup_covers_spread_paths_and_leaves_engine_clean(reference: list) -> 
     def snapshot() -> None:
         s = engine.runner.stats
         seen.update(spread=s.spread_prefills, ahead=s.images_encoded_ahead,
-                    chunks=s.encoder_chunks, prefills=s.prefill_steps, steps=s.steps)
+                    chunks=s.encoder_chunks, prefills=s.prefill_steps, steps=s.steps,
+                    finished=sum(engine.stats.snapshot()["request_success"].values()))
         reset()
 
     engine.reset_counters = snapshot
@@ -65,6 +66,13 @@ def test_warmup_covers_spread_paths_and_leaves_engine_clean(reference: list) -> 
     assert engine.kv_cache_usage() == 0.0
     assert engine.runner.prefill_job is None and engine.runner.stats.steps == 0
     assert not engine.runner.stats.graph_replays and engine.scheduler.num_preemptions == 0
+    # The warm-up's requests were counted as they ran, and are not served traffic: /metrics
+    # starts from zero.
+    assert seen["finished"] >= stats.requests - 1  # all but the aborted long-running one
+    after = engine.stats.snapshot()
+    assert after["prompt_tokens"] == after["generation_tokens"] == 0
+    assert not after["request_success"]
+    assert all(total == 0 for _, _, total in after["histograms"].values())
     engine.check_integrity()
     # And the engine generates what a fresh one does.
     assert _generate(llm) == reference

@@ -205,8 +205,10 @@ class LLMEngine:
             self._collect(self._take_pending())  # only aborted sequences were in flight
 
     def reset_counters(self) -> None:
-        """Zeroes the step counters (graph replays, host time, ...) and the preemption count."""
+        """Zeroes the step counters (graph replays, host time, ...), the preemption count and
+        the request and step statistics behind /metrics."""
         self.runner.stats = RunnerStats()
+        self.stats.reset()
         self.scheduler.num_preemptions = 0
         self._tokens_since_log = [0, 0]
         self._host_at_log = (0.0, 0)

@@ -233,10 +233,16 @@ class EngineStats:
     def __init__(self, max_model_len: int, max_num_batched_tokens: int) -> None:
         self._lock = threading.Lock()
         self.specs = histogram_specs(max_model_len, max_num_batched_tokens)
-        self._hist = {s.name: Histogram(s.buckets) for s in self.specs}
-        self.prompt_tokens = 0
-        self.generation_tokens = 0
-        self.request_success: Counter[str] = Counter()
+        self.reset()
+
+    def reset(self) -> None:
+        """Back to zero: the start-up warm-up's synthetic requests are not served traffic
+        (called before anything has been scraped, so the series stay monotonic)."""
+        with self._lock:
+            self._hist = {s.name: Histogram(s.buckets) for s in self.specs}
+            self.prompt_tokens = 0
+            self.generation_tokens = 0
+            self.request_success: Counter[str] = Counter()
 
     def record_step(
         self,
