@@ -13,9 +13,9 @@ from helpers.compare import check_logprobs_close, vllm_greedy
 
 from benchmarks.engine.guided_schemas import CASES, Case
 from vllm import LLM, SamplingParams
+from vllm.guided_params import GuidedDecodingError
 from vllm.model_executor.guided_decoding.compiler import choice_grammar
 from vllm.sampling_params import GuidedDecodingParams
-from vllm.guided_params import GuidedDecodingError
 
 PROMPT = "Answer in the format asked:"
 
