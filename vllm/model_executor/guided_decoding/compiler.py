@@ -213,8 +213,9 @@ class GrammarCompilerService:
     def _compile_one(self, params: GuidedDecodingParams) -> Any:
         kind = params.kind
         compile_fn: Callable[[], Any]
-        if kind == "json":
-            schema = params.json
+        if kind in ("json", "json_object"):
+            # json_object is any JSON object (OpenAI's meaning), not any JSON value.
+            schema: Any = {"type": "object"} if kind == "json_object" else params.json
             if isinstance(schema, str):
                 try:
                     schema = json.loads(schema)
@@ -230,8 +231,6 @@ class GrammarCompilerService:
                 max_whitespace_cnt=None if compact else MAX_WHITESPACE_RUN,
                 strict_mode=True,
             )
-        elif kind == "json_object":
-            compile_fn = self._compiler.compile_builtin_json_grammar
         elif kind == "regex":
             compile_fn = lambda: self._compiler.compile_regex(params.regex)  # noqa: E731
         elif kind == "choice":
