@@ -80,8 +80,8 @@ def parse_calls(text: str) -> tuple[list[ToolCall], int, bool]:
     pos = _skip(text, 0, " \t\r\n")
     if text.startswith(PYTHON_TAG, pos):
         pos = _skip(text, pos + len(PYTHON_TAG), " \t\r\n")
-    if pos >= len(text):
-        return [], 0, True  # nothing yet that decides
+    if pos >= len(text) or PYTHON_TAG.startswith(text[pos:]):
+        return [], 0, True  # nothing yet that decides (a stream may hold part of the tag)
     if text[pos] != "{":
         return [], 0, False
     calls: list[ToolCall] = []
