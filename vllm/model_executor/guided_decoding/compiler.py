@@ -115,7 +115,7 @@ class GrammarCompilerService:
         self._cache_bytes = 0
         self._running: dict[tuple[Any, ...], Future[Any]] = {}
         self._slow: OrderedDict[tuple[Any, ...], None] = OrderedDict()
-        self._overdue = 0  # timed-out compilations still holding a thread
+        self._overdue: set[tuple[Any, ...]] = set()  # timed out, still holding a thread
         self.compile_seconds: list[float] = []  # per compilation (cache misses), for reports
 
     # ------------------------------------------------------------------ public
@@ -135,18 +135,17 @@ class GrammarCompilerService:
                 raise self._timeout_error()
             future = self._running.get(key)
             if future is None:
-                if self._overdue >= self._threads:
+                if len(self._overdue) >= self._threads:
                     raise GuidedDecodingError(
                         "The grammar compiler is busy with constraints that ran past the "
                         f"{self.config.compile_timeout_s:g} s limit; retry later."
                     )
-                future = self._pool.submit(self._compile_timed, params)
+                future = self._pool.submit(self._run, key, params)
                 self._running[key] = future
-                future.add_done_callback(lambda f, k=key: self._finished(k, f))
         try:
             return future.result(timeout=self.config.compile_timeout_s)
         except FutureTimeout:
-            self._mark_slow(key, future)
+            self._mark_slow(key)
             raise self._timeout_error() from None
 
     @property
@@ -171,29 +170,35 @@ class GrammarCompilerService:
             "(the grammar compile timeout); simplify the schema or grammar."
         )
 
-    def _mark_slow(self, key: tuple[Any, ...], future: Future[Any]) -> None:
+    def _mark_slow(self, key: tuple[Any, ...]) -> None:
         with self._lock:
             self._slow[key] = None
             while len(self._slow) > _REMEMBERED_SLOW:
                 self._slow.popitem(last=False)
-            if not future.done() and not getattr(future, "_vllm_overdue", False):
-                future._vllm_overdue = True  # type: ignore[attr-defined]
-                self._overdue += 1
+            if key in self._running:
+                self._overdue.add(key)
 
-    def _finished(self, key: tuple[Any, ...], future: Future[Any]) -> None:
+    def _run(self, key: tuple[Any, ...], params: GuidedDecodingParams) -> Any:
+        """A pool thread's work: compile, then cache the result before any waiter sees it
+        (a compilation that timed out is not cached: its requests were answered)."""
+        try:
+            compiled = self._compile_timed(params)
+        except BaseException:
+            with self._lock:
+                self._running.pop(key, None)
+                self._overdue.discard(key)
+            raise
         with self._lock:
             self._running.pop(key, None)
-            if getattr(future, "_vllm_overdue", False):
-                self._overdue -= 1
-                return  # its requests were answered already; do not cache a slow grammar
-            if future.cancelled() or future.exception() is not None:
-                return
-            compiled = future.result()
+            if key in self._overdue:
+                self._overdue.discard(key)
+                return compiled
             self._cache[key] = compiled
             self._cache_bytes += compiled.memory_size_bytes
             while self._cache_bytes > self.config.cache_bytes and len(self._cache) > 1:
                 _, old = self._cache.popitem(last=False)
                 self._cache_bytes -= old.memory_size_bytes
+        return compiled
 
     def _compile_timed(self, params: GuidedDecodingParams) -> Any:
         t0 = time.perf_counter()
