@@ -16,6 +16,10 @@ COMMANDS = {
         "benchmarks.engine.ttft_tiles",
         "TTFT of one image of 1, 2, 3 or 4 tiles + 128 tokens",
     ),
+    "guided": (
+        "benchmarks.engine.guided",
+        "decode step time with every row under a JSON schema vs free rows, compile times",
+    ),
     "interleave": (
         "benchmarks.engine.interleave",
         "closed-loop inter-token latency with image arrivals, per-step trace",
