@@ -105,13 +105,25 @@ class GuidedDecodingParams:
             )
         self._check_types()
         if self.backend is not None:
-            name = self.backend.split(":", 1)[0]
-            if name not in BACKENDS:
+            self._check_backend(self.backend)
+
+    def _check_backend(self, backend: str) -> None:
+        """``name[:option,...]`` (upstream's form); the one option is
+        ``disable-any-whitespace``."""
+        name, _, options = backend.partition(":")
+        if name not in BACKENDS:
+            raise GuidedDecodingError(
+                f"guided decoding backend {backend!r} is not available; this engine serves "
+                "'xgrammar'."
+            )
+        for option in filter(None, options.split(",")):
+            if option != "disable-any-whitespace":
                 raise GuidedDecodingError(
-                    f"guided decoding backend {self.backend!r} is not available; this engine "
-                    "serves 'xgrammar'."
+                    f"guided decoding backend option {option!r} is not supported (the one "
+                    "option is 'disable-any-whitespace')."
                 )
-            self.backend_was_auto = self.backend_was_auto or name == "auto"
+            self.disable_any_whitespace = True
+        self.backend_was_auto = self.backend_was_auto or name == "auto"
 
     def _check_types(self) -> None:
         if self.json is not None and not isinstance(self.json, (str, dict)):

@@ -200,12 +200,14 @@ class AsyncLLMEngine:
                        grammar: Any = None) -> AsyncIterator[RequestOutput]:
         """Streams a request's outputs; aborts it if the consumer goes away. ``ticket`` (from
         :meth:`reserve`) is closed at the first output, or when the stream ends. A
-        constrained request's ``grammar`` comes from :meth:`compile_grammar` (otherwise the
-        engine loop compiles it)."""
+        constrained request's ``grammar`` comes from :meth:`compile_grammar` (compiled here
+        when not given: never on the engine loop)."""
         try:
             await self.check_health()
             if processed is None:
                 processed = await self.process_inputs(prompt)
+            if sampling_params.guided_decoding is not None and grammar is None:
+                grammar = await self.compile_grammar(sampling_params)  # not on the loop
             stream = _Stream(asyncio.get_running_loop())
             if request_id in self._streams:
                 raise ValueError("the request id is already in use")

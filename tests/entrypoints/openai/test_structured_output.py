@@ -178,6 +178,7 @@ def test_guided_fields_on_both_endpoints(client: openai.OpenAI, server: RunningS
         ({"guided_whitespace_pattern": " +", "guided_json": {}}, "guided_whitespace_pattern"),
         ({"structured_outputs": {"jsn": {}}}, "unknown field"),
         ({"guided_decoding_backend": "outlines", "guided_regex": "a"}, "'outlines'"),
+        ({"guided_decoding_backend": "xgrammar:fast", "guided_regex": "a"}, "option 'fast'"),
         ({"guided_json": {"enum": ["x" * 70000]}}, "more than the limit of 65536"),
         (
             {"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "x"}}},
