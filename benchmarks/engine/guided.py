@@ -44,7 +44,7 @@ def parse_args(argv: list[str] | None, prog: str | None) -> argparse.Namespace:
     args = ap.parse_args(argv)
     if args.smoke:
         args.model, args.max_model_len, args.batch_sizes = "demo/mllama-tiny", 512, [1, 4]
-        args.input_len, args.output_len, args.min_items = 16, 48, 3
+        args.input_len, args.output_len, args.min_items = 16, 32, 2
     return args
 
 

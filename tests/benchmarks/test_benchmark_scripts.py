@@ -381,6 +381,6 @@ def test_guided_decode_smoke(tmp_path: Path) -> None:
     for r in rec["rows"]:
         for name in ("free", "constrained"):
             assert r[name]["replay_fraction"] == 1.0 and r[name]["step_ms"] > 0
-            assert r[name]["min_output_tokens"] == 48
+            assert r[name]["min_output_tokens"] == 32
         assert r["constrained"]["finish_ms"] > 0 and r["free"]["finish_ms"] is None
     assert set(rec["compile_s"]) == {c.name for c in CASES}
