@@ -104,7 +104,7 @@ class OutputProcessor:
             timing.generated += 1
             try:
                 if seq.grammar is not None:  # its matcher follows the tokens as they arrive
-                    seq.grammar.sync(seq.output_token_ids)
+                    seq.grammar.sync(seq.token_ids, seq.prompt_len)
                 if result.logprobs is not None and req.params.logprobs is not None:
                     self._append_logprobs(seq, result, i)
                 status = self._check_stop(seq)

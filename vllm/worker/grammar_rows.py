@@ -27,7 +27,7 @@ def grammar_of(seq: Sequence) -> SequenceGrammar | None:
         return None
     if seq.grammar is None:
         seq.grammar = SequenceGrammar(compiled)
-    seq.grammar.sync(seq.output_token_ids)
+    seq.grammar.sync(seq.token_ids, seq.prompt_len)
     return seq.grammar
 
 

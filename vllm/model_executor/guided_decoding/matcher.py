@@ -50,15 +50,16 @@ class SequenceGrammar:
         """A stop token was accepted: the constraint is complete and nothing may follow."""
         return bool(self._matcher.is_terminated())
 
-    def sync(self, output_token_ids: Sequence[int]) -> None:
-        """Accepts the tokens of ``output_token_ids`` not seen yet (rebuilding the matcher
-        first if it saw more than the sequence has); raises ``GuidedDecodingError`` when the
-        grammar rejects one."""
-        if self.num_accepted > len(output_token_ids):
-            self.rebuild(output_token_ids)
+    def sync(self, token_ids: Sequence[int], prompt_len: int) -> None:
+        """Accepts the output tokens (``token_ids[prompt_len:]``) not seen yet, rebuilding
+        the matcher first if it saw more than the sequence has; raises
+        ``GuidedDecodingError`` when the grammar rejects one. Indexes in place: no copy of
+        the output per token."""
+        if self.num_accepted > len(token_ids) - prompt_len:
+            self.rebuild(token_ids[prompt_len:])
             return
-        for token_id in output_token_ids[self.num_accepted :]:
-            self._accept(token_id)
+        for i in range(prompt_len + self.num_accepted, len(token_ids)):
+            self._accept(token_ids[i])
 
     def rebuild(self, output_token_ids: Sequence[int]) -> None:
         """A fresh matcher that has accepted ``output_token_ids``."""
