@@ -6,6 +6,7 @@ preemption and abort mid-grammar, and the errors of bad constraints."""
 from __future__ import annotations
 
 import math
+import re
 
 import pytest
 import xgrammar as xgr
@@ -218,3 +219,35 @@ def test_bad_constraints_raise_named_errors(graphs: LLM, guided: dict, message: 
     with pytest.raises(GuidedDecodingError, match=message):
         graphs.generate(PROMPT, SamplingParams(guided_decoding=GuidedDecodingParams(**guided)))
     assert not graphs.llm_engine.has_unfinished_requests()
+
+
+def test_image_rows_under_a_constraint(graphs: LLM) -> None:
+    """A constrained request with an image decodes from the cross graphs, next to a
+    constrained text request and a free one."""
+    import numpy as np
+    from PIL import Image
+
+    engine = graphs.llm_engine
+    engine.reset_counters()
+    rng = np.random.default_rng(0)
+    image = Image.fromarray(rng.integers(0, 256, (64, 80, 3), dtype=np.uint8))
+    regex = r"(red|green|blue) [0-9]{2,4}"
+    guided = SamplingParams(
+        temperature=1.0, seed=2, max_tokens=30, guided_decoding=GuidedDecodingParams(regex=regex)
+    )
+    prompts = [
+        {
+            "prompt": "<|image|><|begin_of_text|>Colour and size:",
+            "multi_modal_data": {"image": image},
+        },
+        PROMPT,
+        "free",
+    ]
+    outs = graphs.generate(prompts, [guided, guided, SamplingParams(max_tokens=8)])
+    for o in outs[:2]:
+        c = o.outputs[0]
+        assert c.finish_reason == "stop" and re.fullmatch(regex, c.text), c.text
+    keys = engine.runner.stats.graph_replays
+    assert (
+        any(family == "cross" for family, _ in keys) and not engine.runner.stats.eager_decode_steps
+    )
