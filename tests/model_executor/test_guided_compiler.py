@@ -16,7 +16,7 @@ from vllm.model_executor.guided_decoding.compiler import GrammarCompilerService
 from vllm.transformers_utils.demo_checkpoints import get_demo_checkpoint
 from vllm.transformers_utils.tokenizer import get_tokenizer
 
-# A schema whose grammar takes xgrammar a while: many objects with bounded numbers.
+# A schema with many bounded numbers (a few milliseconds to compile).
 SLOW = {
     "type": "object",
     "properties": {
@@ -58,14 +58,30 @@ def test_cached_per_constraint(tokenizer) -> None:
 
 
 def test_time_limit(tokenizer) -> None:
-    svc = _service(tokenizer, compile_timeout_s=1e-4)
+    """Compilations held up (a gate stands for a hostile schema) time out; the constraint is
+    refused at once afterwards; with every thread held by an overdue compilation new ones
+    are refused; an overdue result is not cached."""
+    svc = _service(tokenizer, compile_timeout_s=0.05)
+    gate = threading.Event()
+    real = svc._compile_one
+
+    def held(params: GuidedDecodingParams):
+        gate.wait(30)
+        return real(params)
+
+    svc._compile_one = held  # type: ignore[method-assign]
     start = time.perf_counter()
-    with pytest.raises(GuidedDecodingError, match="longer than 0.0001 s"):
-        svc.compile(GuidedDecodingParams(json=SLOW))
+    for i in range(2):  # one overdue compilation per thread
+        with pytest.raises(GuidedDecodingError, match="longer than 0.05 s"):
+            svc.compile(GuidedDecodingParams(regex=f"[a-z]{{{i + 1}}}"))
     with pytest.raises(GuidedDecodingError, match="longer than"):  # refused at once now
+        svc.compile(GuidedDecodingParams(regex="[a-z]{1}"))
+    with pytest.raises(GuidedDecodingError, match="busy"):
         svc.compile(GuidedDecodingParams(json=SLOW))
-    assert time.perf_counter() - start < 1.0
-    svc.shutdown()
+    assert time.perf_counter() - start < 10
+    gate.set()
+    svc._pool.shutdown(wait=True)
+    assert not svc._cache and not svc._overdue and not svc._running
 
 
 def test_size_limits(tokenizer) -> None:
