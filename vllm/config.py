@@ -141,6 +141,18 @@ class DeviceConfig:
 
 
 @dataclass(frozen=True)
+class DecodingConfig:
+    """Structured output (vLLM's ``decoding_config``): the grammar backend and what compiling
+    one request's constraint may cost (docs/security.md)."""
+
+    guided_decoding_backend: str = "xgrammar"
+    disable_any_whitespace: bool = False  # engine default for JSON constraints
+    compile_timeout_s: float = 10.0  # one compilation, queueing included
+    max_spec_chars: int = 65536  # a schema, regex, grammar or the choices, in characters
+    cache_bytes: int = 256 << 20  # compiled grammars kept for reuse
+
+
+@dataclass(frozen=True)
 class VllmConfig:
     """Everything the engine needs, in one immutable object."""
 
@@ -150,3 +162,4 @@ class VllmConfig:
     compilation_config: CompilationConfig
     parallel_config: ParallelConfig
     device_config: DeviceConfig
+    decoding_config: DecodingConfig = field(default_factory=DecodingConfig)

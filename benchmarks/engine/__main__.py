@@ -24,6 +24,10 @@ COMMANDS = {
         "benchmarks.engine.load",
         "load time and peak GPU memory of a bf16 folder quantized at load (--quantization fp8)",
     ),
+    "guided": (
+        "benchmarks.engine.guided",
+        "decode step time with every row under a JSON schema vs free rows, compile times",
+    ),
     "interleave": (
         "benchmarks.engine.interleave",
         "closed-loop inter-token latency with image arrivals, per-step trace",

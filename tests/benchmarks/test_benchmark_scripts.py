@@ -388,3 +388,21 @@ def test_quant_smoke(tmp_path: Path) -> None:
     assert 0.25 < ratio < 0.34, ratio
     assert nf4["bytes_image"]["lm_head"] == bf16["bytes_image"]["lm_head"]
     assert [(t["mix"], t["batch"]) for t in rep["targets"]] == [("text", 1), ("image", 1)]
+
+
+def test_guided_decode_smoke(tmp_path: Path) -> None:
+    """python -m benchmarks.engine guided --smoke: constrained and free runs at each batch
+    size, every constrained row decoding the full length from graphs, and a compile time for
+    each constraint of the suite."""
+    from benchmarks.engine.guided_schemas import CASES
+
+    out = tmp_path / "guided.json"
+    _run_module("benchmarks.engine", "guided", "--smoke", "--out", str(out))
+    rec = json.loads(out.read_text())
+    assert [r["bs"] for r in rec["rows"]] == [1, 4]
+    for r in rec["rows"]:
+        for name in ("free", "constrained"):
+            assert r[name]["replay_fraction"] == 1.0 and r[name]["step_ms"] > 0
+            assert r[name]["min_output_tokens"] == 32
+        assert r["constrained"]["finish_ms"] > 0 and r["free"]["finish_ms"] is None
+    assert set(rec["compile_s"]) == {c.name for c in CASES}

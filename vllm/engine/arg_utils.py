@@ -13,6 +13,7 @@ from vllm import envs
 from vllm.config import (
     CacheConfig,
     CompilationConfig,
+    DecodingConfig,
     DeviceConfig,
     ModelConfig,
     ParallelConfig,
@@ -21,6 +22,7 @@ from vllm.config import (
     resolve_dtype,
 )
 from vllm.engine.cli_args import add_engine_cli_args, parse_limit_mm_per_prompt
+from vllm.guided_params import BACKENDS as GUIDED_DECODING_BACKENDS
 from vllm.logger import init_logger
 from vllm.model_executor.layers.quantization import (
     check_quantization_flag,
@@ -96,6 +98,9 @@ class EngineArgs:
     kv_cache_dtype: str = "auto"
     disable_log_stats: bool = False
     async_scheduling: bool = True
+    # Structured output: the grammar library, and compact JSON by default.
+    guided_decoding_backend: str = "xgrammar"
+    guided_decoding_disable_any_whitespace: bool = False
     # Accepted for compatibility; they do not change anything here.
     swap_space: float = 4
     max_seq_len_to_capture: int = 8192
@@ -207,7 +212,18 @@ class EngineArgs:
             parallel_config=ParallelConfig(self.tensor_parallel_size,
                                            self.pipeline_parallel_size),
             device_config=DeviceConfig(device),
+            decoding_config=self._decoding_config(),
         )
+
+    def _decoding_config(self) -> DecodingConfig:
+        backend = self.guided_decoding_backend.split(":", 1)[0]
+        if backend not in GUIDED_DECODING_BACKENDS:
+            raise ValueError(f"guided_decoding_backend={self.guided_decoding_backend!r} is not "
+                             f"available; this engine serves {', '.join(GUIDED_DECODING_BACKENDS)}"
+                             " (auto is xgrammar)")
+        return DecodingConfig(
+            guided_decoding_backend="xgrammar",
+            disable_any_whitespace=self.guided_decoding_disable_any_whitespace)
 
     def _model_config(self, device: torch.device) -> ModelConfig:
         """The checkpoint (resolved to a folder, downloaded if need be) and how to run it."""

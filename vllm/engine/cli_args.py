@@ -295,6 +295,14 @@ _FLAG_SPECS: dict[str, dict[str, Any]] = {
         "action": argparse.BooleanOptionalAction,
         "help": "Accepted; prompts are prefilled whole.",
     },
+    "guided_decoding_backend": {
+        "help": "Library that compiles structured-output constraints (JSON schemas, regexes, "
+        "choices, grammars): xgrammar ('auto' is xgrammar).",
+    },
+    "guided_decoding_disable_any_whitespace": {
+        "action": "store_true",
+        "help": "JSON constraints allow no optional whitespace (compact output).",
+    },
     "tokenizer_mode": {
         "choices": ("auto", "slow", "mistral", "custom"),
         "help": "Accepted for compatibility, with a warning unless auto: the checkpoint's "

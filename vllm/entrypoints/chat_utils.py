@@ -14,6 +14,7 @@ never adds a second BOS.
 from __future__ import annotations
 
 import asyncio
+import json
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -122,8 +123,23 @@ def parse_conversation(messages: Any, content_format: str = "auto") -> ParsedCon
             raise ValueError(f"messages[{i}].content must be a string or a list of parts.")
         converted = {"role": msg["role"], "content": content}
         converted.update({k: msg[k] for k in _PASSTHROUGH_KEYS if k in msg})
+        if isinstance(converted.get("tool_calls"), list):
+            converted["tool_calls"] = [_template_tool_call(c) for c in converted["tool_calls"]]
         out.append(converted)
     return ParsedConversation(out, images)
+
+
+def _template_tool_call(call: Any) -> Any:
+    """An assistant message's tool call as templates read it: OpenAI sends the arguments as
+    JSON text, templates render them as an object (upstream's conversion)."""
+    fn = call.get("function") if isinstance(call, dict) else None
+    if not isinstance(fn, dict) or not isinstance(fn.get("arguments"), str):
+        return call
+    try:
+        args = json.loads(fn["arguments"])
+    except ValueError:
+        return call
+    return {**call, "function": {**fn, "arguments": args}}
 
 
 def _as_string(parts: list[dict[str, Any]]) -> str:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import bisect
 import time
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -37,6 +38,7 @@ from vllm.utils import to_device
 from vllm.worker.cache_engine import CacheEngine
 from vllm.worker.cuda_graph import DecodeGraphRunner, DecodeShape
 from vllm.worker.decode_state import DecodeRows
+from vllm.worker.grammar_rows import GrammarRows, any_constrained, grammar_of
 from vllm.worker.loaded_model import LoadedModel
 from vllm.worker.prefill_inputs import (
     PrefillBatch,
@@ -131,6 +133,7 @@ class ModelRunner:
         self.prefill_job: PrefillJob | None = None  # a prefill spread over decode steps
         self.stats = RunnerStats()
         self.results = ResultCopier(self.device, sc.max_num_seqs)
+        self.grammar_rows = GrammarRows(sc.max_num_seqs, self.vocab_size, self.device)
         # The last decode batch's sequences and sampling inputs, while they cannot change
         # from step to step (see _decode_sampling).
         self._steady_sampling: tuple[list[Sequence], SamplingMetadata] | None = None
@@ -212,15 +215,36 @@ class ModelRunner:
         prompt_logprobs: dict[str, PromptLogprobsOnDevice] = {}
         if out.is_prefill:
             result, sampler_out = self._prefill(out, prompt_logprobs)
+            handle = self.results.start(result, sampler_out, prompt_logprobs)
         else:
-            result, sampler_out = self._decode(out)
-        handle = self.results.start(result, sampler_out, prompt_logprobs)
+            result, sampled = self._decode(out)
+            if isinstance(sampled, SamplerOutput):
+                handle = self.results.start(result, sampled, prompt_logprobs)
+            else:  # constrained rows: sampled by finish_launch (see grammar_rows.py)
+                handle = StepHandle(result, None, None, {}, None, finish=sampled)
         self.stats.host_time_s += time.perf_counter() - start
         self.stats.steps += 1
         return handle
 
+    @torch.inference_mode()
+    def finish_launch(self, handle: StepHandle) -> None:
+        """Samples a launched step whose sampling was deferred (constrained rows), once the
+        engine has applied the previous step's tokens; nothing to do for any other step."""
+        if handle.finish is None:
+            return
+        start = time.perf_counter()
+        finish, handle.finish = handle.finish, None
+        started = self.results.start(handle.result, finish(), {})
+        handle.sampled, handle.logprobs, handle.event = (
+            started.sampled,
+            started.logprobs,
+            started.event,
+        )
+        self.stats.host_time_s += time.perf_counter() - start
+
     def collect(self, handle: StepHandle) -> StepOutput:
         """Waits for a launched step and returns its host results."""
+        self.finish_launch(handle)
         return self.results.collect(handle)
 
     def release(self, seq: Sequence) -> None:
@@ -231,6 +255,8 @@ class ModelRunner:
     def check_sampling(self, seqs: list[Sequence]) -> None:
         """Builds the sampling inputs of some sequences alone (raises what a step would)."""
         self._sampling_rows(seqs)
+        for s in seqs:
+            grammar_of(s)
 
     def _decode_sampling(self, seqs: list[Sequence]) -> SamplingMetadata:
         """The decode step's sampling inputs. They change from step to step only through the
@@ -254,7 +280,10 @@ class ModelRunner:
             if s.generator is None and p.seed is not None:
                 # One generator per sibling: same seed, same tokens, whatever the batch.
                 s.generator = make_generator(p.seed + s.index, self.device)
-            stop_ids = tuple(p.all_stop_token_ids) if p.min_tokens else ()
+            # A constrained sequence ends when its grammar allows nothing but a stop token:
+            # min_tokens does not suppress them there.
+            constrained = s.request.grammar is not None
+            stop_ids = tuple(p.all_stop_token_ids) if p.min_tokens and not constrained else ()
             rows.append(
                 SamplingRow(
                     p, s.request.inputs.prompt_token_ids, s.output_token_ids, s.generator, stop_ids
@@ -342,7 +371,10 @@ class ModelRunner:
         sample_seqs = [s for group in out.samplers for s in group]
         if len(expand) != len(out.prefill_seqs):
             logits = logits[to_device(expand, torch.int64, self.device)]
-        sampler_out = self.sampler(logits, self._sampling_rows(sample_seqs))
+        sampling = self._sampling_rows(sample_seqs)
+        if any_constrained(sample_seqs):  # nothing of theirs is in flight: masks now
+            sampling.token_bitmask = self.grammar_rows.masks(sample_seqs)
+        sampler_out = self.sampler(logits, sampling)
         rows = []
         for s in sample_seqs:
             s.row = self.rows.acquire()
@@ -387,7 +419,11 @@ class ModelRunner:
                 )
             start += n
 
-    def _decode(self, out: SchedulerOutput) -> tuple[StepOutput, SamplerOutput]:
+    def _decode(
+        self, out: SchedulerOutput
+    ) -> tuple[StepOutput, SamplerOutput | Callable[[], SamplerOutput]]:
+        """Replays (or runs) the forward and samples; with constrained rows, returns the
+        sampling to run later instead (``finish_launch``)."""
         seqs = out.decode_seqs
         self.rows.set_pages([(s.row, len(s.block_table) - 1, p) for s, p in out.new_pages])
         max_enc = max(s.request.inputs.encoder_seq_len for s in seqs)
@@ -404,13 +440,32 @@ class ModelRunner:
             rows_t = to_device(row_ids, torch.int64, self.device)
             logits = self._eager_decode(seqs, rows_t, max_enc)
             self.stats.eager_decode_steps += 1
+        result = StepOutput(seqs=list(seqs), token_ids=[])
+        if not any_constrained(seqs):
+            sampling.token_bitmask = None
+            return result, self._sample_decode(logits, sampling, rows_t, greedy)
+
+        def finish() -> SamplerOutput:
+            # The graph's in-graph argmax is of unmasked logits: never used here.
+            sampling.token_bitmask = self.grammar_rows.masks(seqs)
+            return self._sample_decode(logits, sampling, rows_t, greedy)
+
+        return result, finish
+
+    def _sample_decode(
+        self,
+        logits: torch.Tensor,
+        sampling: SamplingMetadata,
+        rows_t: torch.Tensor,
+        greedy: torch.Tensor | None,
+    ) -> SamplerOutput:
         sampler_out = self.sampler(logits, sampling, greedy_ids=greedy)
         if greedy is None:
             self.rows.advance(rows_t, sampler_out.sampled_token_ids)
         elif sampler_out.sampled_token_ids is not greedy:
             # The graph advanced the rows with its greedy tokens; these were sampled instead.
             self.rows.set_tokens(rows_t, sampler_out.sampled_token_ids)
-        return StepOutput(seqs=list(seqs), token_ids=[]), sampler_out
+        return sampler_out
 
     def _eager_decode(
         self, seqs: list[Sequence], rows_t: torch.Tensor, max_enc: int

@@ -8,6 +8,7 @@ so the host schedules step N+1 while the GPU still runs step N.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -46,13 +47,17 @@ class StepOutput:
 
 @dataclass
 class StepHandle:
-    """A launched step: device results being copied to (pinned) host memory."""
+    """A launched step: device results being copied to (pinned) host memory.
+
+    A decode step with constrained rows is launched with its sampling deferred: ``finish``
+    samples it (``ModelRunner.finish_launch``) and ``sampled`` is ``None`` until then."""
 
     result: StepOutput
-    sampled: torch.Tensor  # host (pinned on CUDA) once the event has fired
+    sampled: torch.Tensor | None  # host (pinned on CUDA) once the event has fired
     logprobs: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None
     prompt_logprobs: dict[str, tuple[torch.Tensor, torch.Tensor, torch.Tensor, list[bool]]]
     event: torch.cuda.Event | None
+    finish: Callable[[], SamplerOutput] | None = None
 
 
 class ResultCopier:
@@ -134,6 +139,7 @@ class ResultCopier:
     @staticmethod
     def collect(handle: StepHandle) -> StepOutput:
         """Waits for a launched step's copies and returns its host results."""
+        assert handle.finish is None and handle.sampled is not None, "step not sampled yet"
         if handle.event is not None:
             handle.event.synchronize()
         result = handle.result

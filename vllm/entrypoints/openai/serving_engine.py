@@ -110,6 +110,9 @@ class ServerContext:
     # The longest token's text: a prompt of more than max_model_len times this many
     # characters cannot fit, and is refused before it is tokenized.
     max_token_chars: int = 64
+    # Tool calling (--enable-auto-tool-choice, --tool-call-parser).
+    enable_auto_tools: bool = False
+    tool_call_parser: str | None = None
 
     @property
     def max_model_len(self) -> int:
@@ -320,14 +323,36 @@ class OpenAIServing:
         )
 
     # ------------------------------------------------------------------ running requests
+    @staticmethod
+    def guided_decoding(request: ChatCompletionRequest | CompletionRequest) -> Any:
+        """The request's structured-output constraint (``GuidedDecodingParams`` or None);
+        a malformed one is a 400 naming the field."""
+        try:
+            return request.guided_decoding()
+        except ValueError as e:
+            raise bad_request(str(e)) from None
+
+    async def compile_constraint(self, params: SamplingParams) -> Any:
+        """The compiled structured-output constraint of ``params`` (None without one), in a
+        worker thread and bounded in time: a constraint that cannot be compiled is a 400
+        naming the problem, before any response starts."""
+        if params.guided_decoding is None:
+            return None
+        try:
+            return await self.engine.compile_grammar(params)
+        except ValueError as e:
+            raise bad_request(str(e)) from None
+
     def generate(
         self,
         processed: Any,
         params: SamplingParams,
         request_id: str,
         ticket: QueueTicket | None = None,
+        grammar: Any = None,
     ) -> AsyncGenerator[RequestOutput, None]:
-        """The engine's output stream for one prompt (checked first: raises a 400)."""
+        """The engine's output stream for one prompt (checked first: raises a 400);
+        ``grammar`` is ``compile_constraint``'s."""
         if params.prompt_logprobs is not None:
             vocab = self.engine.config.model_config.spec.text.vocab_size
             beyond = [t for t in processed.prompt_token_ids if t >= vocab]
@@ -338,7 +363,9 @@ class OpenAIServing:
                     "token has no logit).",
                     "prompt_logprobs",
                 )
-        return self.engine.generate(None, params, request_id, processed=processed, ticket=ticket)
+        return self.engine.generate(
+            None, params, request_id, processed=processed, ticket=ticket, grammar=grammar
+        )
 
     async def collect_final(
         self, gens: list[AsyncGenerator[RequestOutput, None]], raw_request: Request
