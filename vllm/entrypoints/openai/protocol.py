@@ -59,8 +59,8 @@ from vllm.entrypoints.openai.request_checks import (
     find_lone_surrogate,
     too_long,
 )
-from vllm.inputs import MAX_CACHE_SALT_CHARS
 from vllm.guided_params import GuidedDecodingParams
+from vllm.inputs import MAX_CACHE_SALT_CHARS
 from vllm.sampling_params import MAX_STOP_CHARS, MAX_STOP_STRINGS
 
 # The request bodies, and the response bodies of protocol_responses.py (vLLM's protocol module
