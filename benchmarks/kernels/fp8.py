@@ -40,6 +40,7 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+from triton.runtime.errors import OutOfResources
 
 from benchmarks.common import copy_bandwidth_gb_s, read_bandwidth_gb_s
 from benchmarks.kernels.gemm import L2_BYTES, time_calls
@@ -134,7 +135,10 @@ def _compile_worker(jobs: list[tuple]) -> int:
         if name not in weights:
             weights[name] = make_weight(n, k)
         x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
-        (fp8_gemm.fp8_gemm_silu if silu else fp8_gemm.fp8_gemm)(x, weights[name], cfg)
+        try:
+            (fp8_gemm.fp8_gemm_silu if silu else fp8_gemm.fp8_gemm)(x, weights[name], cfg)
+        except OutOfResources:  # a config this GPU cannot launch: the timing skips it too
+            continue
     torch.cuda.synchronize()
     return len(jobs)
 
@@ -190,7 +194,12 @@ def bench_row(x: torch.Tensor, c: Copies, silu: bool, do_sweep: bool, bw: dict) 
         row["fp8"] = {**entry(time_calls(lambda fw: run(x, fw, cfg), c.fp8)), "config": str(cfg)}
     candidates = sweep(m, k) if do_sweep else []
     if candidates:
-        timed = [(time_calls(lambda fw, s=s: run(x, fw, s), c.fp8), s) for s in candidates]
+        timed = []
+        for cand in candidates:
+            try:
+                timed.append((time_calls(lambda fw, s=cand: run(x, fw, s), c.fp8), cand))
+            except OutOfResources:  # more shared memory than this GPU has
+                continue
         us, best = min(timed, key=lambda t: t[0])
         row["fp8_best"] = {**entry(us), "config": str(best), "swept": len(timed)}
         # The table keeps the faster of the GEMM's best and the scratch path.

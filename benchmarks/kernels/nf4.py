@@ -28,6 +28,7 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+from triton.runtime.errors import OutOfResources
 
 from benchmarks.common import copy_bandwidth_gb_s, read_bandwidth_gb_s
 from benchmarks.kernels.gemm import L2_BYTES, time_calls
@@ -113,7 +114,10 @@ def _compile_worker(jobs: list[tuple]) -> int:
             layer = make_layer(shards, k)
             weights[name] = layer.fmt.quantized_weight(layer)
         x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
-        (nf4_gemm.nf4_gemm_silu if silu else nf4_gemm.nf4_gemm)(x, weights[name], cfg)
+        try:
+            (nf4_gemm.nf4_gemm_silu if silu else nf4_gemm.nf4_gemm)(x, weights[name], cfg)
+        except OutOfResources:  # a config this GPU cannot launch: the timing skips it too
+            continue
         done += 1
     torch.cuda.synchronize()
     return done
@@ -198,7 +202,12 @@ def bench_row(x: torch.Tensor, c: Copies, silu: bool, do_sweep: bool, bw: dict) 
         row["nf4"] = {**entry(time_calls(lambda q: run(x, q, cfg), c.qws)), "config": str(cfg)}
     candidates = sweep(m, k) if do_sweep else []
     if candidates:
-        timed = [(time_calls(lambda q, s=s: run(x, q, s), c.qws), s) for s in candidates]
+        timed = []
+        for cand in candidates:
+            try:
+                timed.append((time_calls(lambda q, s=cand: run(x, q, s), c.qws), cand))
+            except OutOfResources:  # more shared memory than this GPU has
+                continue
         us, best = min(timed, key=lambda t: t[0])
         row["nf4_best"] = {**entry(us), "config": str(best), "swept": len(timed)}
         # The table keeps the faster of the GEMM's best and the scratch path.
