@@ -8,7 +8,7 @@ import shutil
 from pathlib import Path
 
 import pytest
-from helpers.hf_runner import demo_path
+from helpers.hf_runner import demo_path, full_size_config_folder
 
 from vllm.config import ModelConfig
 from vllm.engine.arg_utils import EngineArgs
@@ -147,7 +147,8 @@ def test_fp8_methods_and_detection(tmp_path: Path) -> None:
     is detected from config.json (``quantization_config``, or the older
     ``compression_config``), and the flag must agree with it."""
     assert _config(EngineArgs(model="demo/mllama-tiny", quantization="fp8")).quantization == "fp8"
-    mc = _config(EngineArgs(model="demo/mllama-11b", load_format="dummy", quantization="fp8"))
+    full = full_size_config_folder(tmp_path / "11b", "demo/mllama-11b")
+    mc = _config(EngineArgs(model=str(full), load_format="dummy", quantization="fp8"))
     assert mc.quantization == "fp8"
     path = _with_quant_config(tmp_path, FP8_DYNAMIC)
     for flag in (None, "compressed-tensors"):

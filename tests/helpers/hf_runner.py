@@ -78,3 +78,21 @@ def demo_path(name: str = "demo/mllama-tiny") -> Path:
     from vllm.transformers_utils.demo_checkpoints import get_demo_checkpoint
 
     return get_demo_checkpoint(name)
+
+
+def full_size_config_folder(dst: Path, name: str) -> Path:
+    """A folder with a full-size demo config (``demo/mllama-11b`` or ``demo/mllama-90b``) and
+    the tiny demo's tokenizer and processor files: what config and memory checks read,
+    without the real tokenizer (which needs the optional ``llama-models`` package)."""
+    import json
+    import shutil
+
+    from vllm.transformers_utils.demo_checkpoints import build_demo_config
+
+    dst.mkdir(parents=True, exist_ok=True)
+    src = demo_path()
+    for f in src.iterdir():
+        if f.suffix != ".safetensors" and not f.name.endswith(".index.json"):
+            shutil.copy(f, dst / f.name)
+    (dst / "config.json").write_text(json.dumps(build_demo_config(name)))
+    return dst

@@ -14,7 +14,7 @@ import torch
 
 pytest.importorskip("compressed_tensors")  # the checkpoints are written by it
 from helpers.fp8_checkpoints import quantization_config
-from helpers.hf_runner import demo_path
+from helpers.hf_runner import demo_path, full_size_config_folder
 from safetensors.torch import load_file, save_file
 
 from vllm.model_executor.layers.linear import Linear, UnquantizedFormat
@@ -230,14 +230,15 @@ def test_fp8_weight_bytes_match_the_published_checkpoints(
     assert abs(stored / (gigabytes * 1e9) - 1) < 0.005
 
 
-def test_90b_fits_one_h200_in_fp8_not_in_bf16() -> None:
+def test_90b_fits_one_h200_in_fp8_not_in_bf16(tmp_path: Path) -> None:
     """The up-front memory check: 90B's bf16 weights do not fit in 0.9 of an H200 (and the
     refusal names the FP8 flag); its FP8 weights (and the dequantization scratch) do."""
     from vllm.engine.arg_utils import EngineArgs
     from vllm.worker.memory import check_device_memory, weight_bytes
 
     h200 = 143_771 << 20  # bytes the device reports
-    args = dict(model="demo/mllama-90b", load_format="dummy", max_model_len=8192)
+    folder = full_size_config_folder(tmp_path / "90b", "demo/mllama-90b")
+    args = dict(model=str(folder), load_format="dummy", max_model_len=8192)
     bf16 = EngineArgs(**args).create_engine_config()
     with pytest.raises(ValueError, match=r"weights alone need .* in bfloat16.*--quantization fp8"):
         check_device_memory(bf16, h200)
