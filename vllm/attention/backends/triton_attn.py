@@ -74,11 +74,13 @@ class TritonBackend:
         value: torch.Tensor,
         md: PrefillMetadata,
         scale: float,
+        kv_cache: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> torch.Tensor:
         # query: [T, Hq, D], key/value: [T, Hkv, D] -> [T, Hq, D]. SDPA (cuDNN on Hopper)
-        # measured faster than a Triton causal kernel (see ``ops/sdpa.py``).
-        assert md.seq_lens is not None
-        return sdpa.varlen_causal_attention(query, key, value, md.seq_lens, scale)
+        # measured faster than a Triton causal kernel (see ``ops/sdpa.py``); chunks with
+        # context read their earlier tokens from the pages.
+        return sdpa.varlen_causal_attention(query, key, value, md.seq_lens, scale,
+                                            md.context_lens, md.context_pages, kv_cache)
 
     def decode_self(
         self,
