@@ -94,6 +94,7 @@ class _Add:
     processed: Any
     params: SamplingParams
     stream: _Stream
+    priority: int = 0
 
 
 @dataclass
@@ -189,8 +190,8 @@ class AsyncLLMEngine:
         return await loop.run_in_executor(self._pool, self.engine.process_inputs, prompt)
 
     async def generate(self, prompt: Any, sampling_params: SamplingParams, request_id: str,
-                       processed: Any = None,
-                       ticket: QueueTicket | None = None) -> AsyncIterator[RequestOutput]:
+                       processed: Any = None, ticket: QueueTicket | None = None,
+                       priority: int = 0) -> AsyncIterator[RequestOutput]:
         """Streams a request's outputs; aborts it if the consumer goes away. ``ticket`` (from
         :meth:`reserve`) is closed at the first output, or when the stream ends."""
         try:
@@ -201,7 +202,7 @@ class AsyncLLMEngine:
             if request_id in self._streams:
                 raise ValueError("the request id is already in use")
             self._streams[request_id] = stream
-            self._commands.put(_Add(request_id, processed, sampling_params, stream))
+            self._commands.put(_Add(request_id, processed, sampling_params, stream, priority))
         except BaseException:
             if ticket is not None:
                 ticket.close()
@@ -274,7 +275,8 @@ class AsyncLLMEngine:
             engine.abort_request(cmd.request_id)
             return
         try:
-            engine.add_request(cmd.request_id, None, cmd.params, processed=cmd.processed)
+            engine.add_request(cmd.request_id, None, cmd.params, processed=cmd.processed,
+                               priority=cmd.priority)
         except Exception as e:  # bad request: fail it alone
             cmd.stream.put(e)
 

@@ -326,8 +326,16 @@ class OpenAIServing:
         params: SamplingParams,
         request_id: str,
         ticket: QueueTicket | None = None,
+        priority: int = 0,
     ) -> AsyncGenerator[RequestOutput, None]:
         """The engine's output stream for one prompt (checked first: raises a 400)."""
+        policy = self.engine.config.scheduler_config.scheduling_policy
+        if priority != 0 and policy != "priority":
+            raise bad_request(
+                f"priority={priority} needs --scheduling-policy priority (the server runs "
+                f"{policy}).",
+                "priority",
+            )
         if params.prompt_logprobs is not None:
             vocab = self.engine.config.model_config.spec.text.vocab_size
             beyond = [t for t in processed.prompt_token_ids if t >= vocab]
@@ -338,7 +346,8 @@ class OpenAIServing:
                     "token has no logit).",
                     "prompt_logprobs",
                 )
-        return self.engine.generate(None, params, request_id, processed=processed, ticket=ticket)
+        return self.engine.generate(None, params, request_id, processed=processed, ticket=ticket,
+                                    priority=priority)
 
     async def collect_final(
         self, gens: list[AsyncGenerator[RequestOutput, None]], raw_request: Request
