@@ -16,9 +16,9 @@ COMMANDS = {
         "benchmarks.engine.ttft_tiles",
         "TTFT of one image of 1, 2, 3 or 4 tiles + 128 tokens",
     ),
-    "interleave": (
-        "benchmarks.engine.interleave",
-        "closed-loop inter-token latency with image arrivals, per-step trace",
+    "serving-loop": (
+        "benchmarks.engine.serving_loop",
+        "closed-loop TTFT and inter-token latency with image arrivals, per-step trace",
     ),
 }
 

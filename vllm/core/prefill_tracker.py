@@ -97,6 +97,10 @@ class PrefillTracker:
         p = self._progress.get(seq.request.request_id)
         return 0 if p is None else p.num_computed(seq)
 
+    def count(self, phase: PrefillPhase) -> int:
+        """Requests in ``phase`` (metrics and traces)."""
+        return sum(1 for p in self._progress.values() if p.phase is phase)
+
     def num_encoding_ahead(self, waiting: list[Request]) -> int:
         """Waiting requests whose images are encoded or being encoded (they hold memory)."""
         return sum(1 for r in waiting if r.request_id in self._progress)
