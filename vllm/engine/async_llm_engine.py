@@ -248,7 +248,8 @@ class AsyncLLMEngine:
             "graph_replays": dict(runner.stats.graph_replays),
             "eager_decode_steps": runner.stats.eager_decode_steps,
             "images_encoded_ahead": runner.stats.images_encoded_ahead,
-            "encoder_steps": runner.stats.encoder_chunks,
+            "encoder_steps": runner.stats.encoder_steps,
+            "prefill_chunks": runner.stats.prefill_chunks,
             "requests": self.engine.stats.snapshot(),
             "cache_config": self.cache_config_info(),
         }
