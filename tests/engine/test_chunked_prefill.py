@@ -21,8 +21,12 @@ def _image(seed: int, w: int = 100, h: int = 60) -> Image.Image:
 
 
 def _llm(**kw) -> LLM:
-    args = dict(model="demo/mllama-tiny", max_model_len=256, max_num_seqs=8,
-                limit_mm_per_prompt={"image": 2})
+    args = dict(
+        model="demo/mllama-tiny",
+        max_model_len=256,
+        max_num_seqs=8,
+        limit_mm_per_prompt={"image": 2},
+    )
     args.update(kw)
     return LLM(**args)
 
@@ -39,15 +43,21 @@ def prefill_first() -> LLM:
 def _prompts() -> list:
     return [
         "A text prompt " + "about many things " * 6,
-        {"prompt": "<|image|><|begin_of_text|>The first image shows",
-         "multi_modal_data": {"image": _image(1)}},
+        {
+            "prompt": "<|image|><|begin_of_text|>The first image shows",
+            "multi_modal_data": {"image": _image(1)},
+        },
         # Two image groups, the second after some text: tokens see different images.
-        {"prompt": "<|image|><|begin_of_text|>Left " + "word " * 9 + "<|image|> and right",
-         "multi_modal_data": {"image": [_image(2), _image(3)]}},
+        {
+            "prompt": "<|image|><|begin_of_text|>Left " + "word " * 9 + "<|image|> and right",
+            "multi_modal_data": {"image": [_image(2), _image(3)]},
+        },
         "Short one",
         # Text before its image: the image comes after the first chunks.
-        {"prompt": "<|begin_of_text|>" + "Context words " * 8 + "<|image|>now describe",
-         "multi_modal_data": {"image": _image(4, 40, 90)}},
+        {
+            "prompt": "<|begin_of_text|>" + "Context words " * 8 + "<|image|>now describe",
+            "multi_modal_data": {"image": _image(4, 40, 90)},
+        },
     ]
 
 
@@ -70,8 +80,9 @@ def _image_positions(llm: LLM, prompt) -> list[int]:
 
 
 @pytest.mark.parametrize("budget,encoder", [(8, 2), (13, 0), (64, 4)])
-def test_chunked_and_batched_equal_prefill_first(prefill_first: LLM, budget: int,
-                                                 encoder: int) -> None:
+def test_chunked_and_batched_equal_prefill_first(
+    prefill_first: LLM, budget: int, encoder: int
+) -> None:
     """Every prompt over several steps (8, 13: boundaries fall at many places, image tokens
     included) or several prompts per step (64), images encoded over steps or inside the
     prefill; all at once, so the decode of some runs next to the chunks of others."""
@@ -93,8 +104,10 @@ def test_chunk_boundaries_inside_and_before_images(prefill_first: LLM) -> None:
     position of the second image token + 1, the first chunk ends between the two image
     tokens of a group; with a budget smaller than the text before an image, the image comes
     after the first chunk."""
-    group = {"prompt": "<|begin_of_text|>Two views " + "<|image|><|image|> of one scene",
-             "multi_modal_data": {"image": [_image(5), _image(6)]}}
+    group = {
+        "prompt": "<|begin_of_text|>Two views " + "<|image|><|image|> of one scene",
+        "multi_modal_data": {"image": [_image(5), _image(6)]},
+    }
     late = _prompts()[4]
     first, second = _image_positions(prefill_first, group)
     assert second == first + 1
@@ -195,8 +208,9 @@ def test_priority_order() -> None:
 
     engine.runner.launch = logged
     params = SamplingParams(temperature=0, max_tokens=2, ignore_eos=True)
-    outs = llm.generate([f"prompt number {i}" for i in range(5)], params, use_tqdm=False,
-                        priority=[3, 1, 2, 1, 0])
+    outs = llm.generate(
+        [f"prompt number {i}" for i in range(5)], params, use_tqdm=False, priority=[3, 1, 2, 1, 0]
+    )
     assert [len(o.outputs[0].token_ids) for o in outs] == [2] * 5
     assert first_scheduled == ["4", "1", "3", "2", "0"]  # LLM ids are the prompt indices
 
@@ -206,8 +220,7 @@ def test_priority_needs_the_policy() -> None:
     with pytest.raises(ValueError, match="scheduling_policy"):
         llm.generate(["x"], GREEDY, priority=[1], use_tqdm=False)
     with pytest.raises(ValueError, match="priority has 2 values"):
-        _llm(scheduling_policy="priority").generate(["x"], GREEDY, priority=[1, 2],
-                                                    use_tqdm=False)
+        _llm(scheduling_policy="priority").generate(["x"], GREEDY, priority=[1, 2], use_tqdm=False)
 
 
 def test_flags_validated() -> None:

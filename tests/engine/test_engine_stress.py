@@ -1,6 +1,6 @@
 """Randomised engine run: async scheduling, preemption under a tight cache, chunked and
-batched prefill, n > 1, images, stop strings and aborts at random points. Everything not aborted finishes as it would alone,
-and every page and decode row comes back."""
+batched prefill, n > 1, images, stop strings and aborts at random points. Everything not
+aborted finishes as it would alone, and every page and decode row comes back."""
 
 from __future__ import annotations
 

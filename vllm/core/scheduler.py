@@ -235,7 +235,7 @@ class Scheduler:
                      if self._skipped.get(r.request_id, 0) >= MAX_SKIPPED_STEPS), None)
         if head is None:
             return False
-        tokens = sum(len(s) for s in head.unfinished_seqs())
+        tokens = len(head.unfinished_seqs()[0])
         budget = c.max_num_batched_tokens
         return (budget - len(decode) < tokens <= budget
                 and self._admission_pages(head) <= self.bm.pool.num_free)
@@ -291,15 +291,15 @@ class Scheduler:
         return req.inputs.num_images * self.tiles_per_image
 
     def _fits(self, req: Request, budget: int, tiles: int, carried: set[str]) -> bool:
-        """Whether the request's first piece fits what is left of the step."""
-        seqs = req.unfinished_seqs()
+        """Whether the request's first piece fits what is left of the step: its first
+        sequence whole without chunking (a recomputed request's siblings may follow in later
+        steps), any part of it with."""
+        seq = req.unfinished_seqs()[0]
         if self._admission_pages(req) > self.bm.pool.num_free:
             return False
-        first = len(seqs[0]) if not self.config.enable_chunked_prefill else min(
-            len(seqs[0]), budget)
-        if not self.config.enable_chunked_prefill and sum(len(s) for s in seqs) > budget:
+        if not self.config.enable_chunked_prefill and len(seq) > budget:
             return False
-        return self._chunk_tiles(req, 0, first, carried) <= tiles
+        return self._chunk_tiles(req, 0, min(len(seq), budget), carried) <= tiles
 
     def _chunks(self, req: Request, out: SchedulerOutput, budget: int, tiles: int,
                 carried: set[str]) -> tuple[int, int]:
@@ -314,7 +314,7 @@ class Scheduler:
                 break
             end = min(len(s), start + budget)
             if end < len(s) and not self.config.enable_chunked_prefill:
-                break  # cannot happen for an admitted request: its prompts fit at admission
+                break  # whole sequences only: this one goes in a later step
             need = self._chunk_tiles(req, start, end, carried)
             if need > tiles:
                 break  # its vision does not fit this step: the next one (it goes first)
