@@ -126,11 +126,16 @@ class ResultCopier:
                 logprobs.append((size, None))
                 continue
             assert part.logprob_token_ids is not None and part.sampled_ranks is not None
-            logprobs.append((size, (
-                self._to_host(part.logprobs[:size]),
-                self._to_host(part.logprob_token_ids[:size]),
-                self._to_host(part.sampled_ranks[:size]),
-            )))
+            logprobs.append(
+                (
+                    size,
+                    (
+                        self._to_host(part.logprobs[:size]),
+                        self._to_host(part.logprob_token_ids[:size]),
+                        self._to_host(part.sampled_ranks[:size]),
+                    ),
+                )
+            )
         prompt = {
             rid: (
                 self._to_host(p.values),

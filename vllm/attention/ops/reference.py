@@ -125,8 +125,9 @@ def chunked_causal_attention(
         v = _paged_rows(value_cache, table, ctx + n)
         pos_q = torch.arange(ctx, ctx + n, device=query.device)[:, None]
         visible = torch.arange(ctx + n, device=query.device)[None, :] <= pos_q
-        out[start:start + n] = _attend(query[start:start + n], k, v, scale, visible).to(
-            query.dtype)
+        out[start : start + n] = _attend(query[start : start + n], k, v, scale, visible).to(
+            query.dtype
+        )
         start += n
     return out
 

@@ -87,8 +87,7 @@ def varlen_causal_attention(
         end = start + n
         ctx = context_lens[i] if context_lens is not None else 0
         if ctx == 0:
-            out[start:end] = _sdpa(query[start:end], key[start:end], value[start:end], scale,
-                                   True)
+            out[start:end] = _sdpa(query[start:end], key[start:end], value[start:end], scale, True)
         else:
             assert kv_cache is not None and context_pages is not None
             pages = context_pages[i]
