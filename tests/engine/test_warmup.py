@@ -1,6 +1,6 @@
 """Start-up warm-up (vllm/engine/warmup.py): it drives the engine through the spread encoder
-and chunked prefill paths, leaves no trace (no request, no page, zeroed counters) and does not change
-what the engine generates afterwards (tiny model, CPU)."""
+and chunked prefill paths, leaves no trace (no request, no page, zeroed counters) and does not
+change what the engine generates afterwards (tiny model, CPU)."""
 
 from __future__ import annotations
 
