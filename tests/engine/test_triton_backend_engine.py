@@ -4,9 +4,9 @@ On CPU the kernels run in Triton's interpreter with its bounds checks (``tests/c
 an out-of-bounds load or store fails the test. The scenario mixes a text request, an image
 request and a two-image request with chunked prefills next to decodes, so paged KV writes
 with RoPE, causal, chunk-after-context and ranged-cross prefill, and paged self and cross
-decode over padded graph batches all run. The second test also takes every CUDA-only code path of the model (fused
-norms, vision embedding, SiLU, row advance, in-graph argmax, key-split cross prefill with an
-H200's SM count) by choosing the fused kernels at load on CPU. (On CUDA the engine runs these
+decode over padded graph batches all run. The second test also takes every CUDA-only code
+path of the model (fused norms, vision embedding, SiLU, row advance, in-graph argmax,
+key-split cross prefill with an H200's SM count) by choosing the fused kernels at load on CPU. (On CUDA the engine runs these
 kernels anyway, compared with HF by the model tests.)"""
 
 from __future__ import annotations
