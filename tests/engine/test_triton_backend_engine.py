@@ -6,8 +6,8 @@ request and a two-image request with chunked prefills next to decodes, so paged 
 with RoPE, causal, chunk-after-context and ranged-cross prefill, and paged self and cross
 decode over padded graph batches all run. The second test also takes every CUDA-only code
 path of the model (fused norms, vision embedding, SiLU, row advance, in-graph argmax,
-key-split cross prefill with an H200's SM count) by choosing the fused kernels at load on CPU. (On CUDA the engine runs these
-kernels anyway, compared with HF by the model tests.)"""
+key-split cross prefill with an H200's SM count) by choosing the fused kernels at load on
+CPU. (On CUDA the engine runs these kernels anyway, compared with HF by the model tests.)"""
 
 from __future__ import annotations
 
