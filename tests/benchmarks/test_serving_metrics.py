@@ -118,3 +118,28 @@ def test_synthetic_dataset_is_seeded_and_mixed() -> None:
     assert build_payload(text_req, "/v1/completions", "m", True)["prompt"] == text_req.prompt
     with pytest.raises(ValueError, match="text only"):
         build_payload(next(r for r in a if r.image_urls), "/v1/completions", "m", True)
+
+
+def test_sweep_plot_draws_every_series(tmp_path) -> None:
+    """Each panel of the sweep PNG holds its series' colour, at heights that follow the
+    values (the p99 line is above the median line where it is larger)."""
+    from PIL import Image
+
+    from vllm.entrypoints.cli.benchmark.sweep_plot import COLOURS, HEIGHT, WIDTH, plot_sweep
+
+    runs = [{"request_rate": r, "median_ttft_ms": 10.0 * i + 5, "p99_ttft_ms": 40.0 * i + 20,
+             "median_itl_ms": 7.0, "p99_itl_ms": 9.0 + i, "output_throughput": 100.0 * (i + 1)}
+            for i, r in enumerate([1.0, 2.0, 4.0, "inf"])]
+    path = plot_sweep(runs, tmp_path / "s.png")
+    with Image.open(path) as png:
+        img = png.convert("RGB")
+    assert img.size == (3 * WIDTH, HEIGHT)
+
+    def rows_of(colour, panel):
+        return [y for x in range(panel * WIDTH, (panel + 1) * WIDTH) for y in range(HEIGHT)
+                if img.getpixel((x, y)) == colour]
+
+    for panel in range(3):
+        assert rows_of(COLOURS[0], panel)
+    median, p99 = rows_of(COLOURS[0], 0), rows_of(COLOURS[1], 0)
+    assert p99 and min(p99) < min(median)  # higher values are drawn higher up
