@@ -6,7 +6,8 @@
 #               image, 128 output tokens;
 #   the request-rate sweep of workload 1 (1, 2, 4, 8, 16 req/s and unbounded; SWEEP_PROMPTS
 #               requests per rate) on the default server, with its PNG;
-#   the token budget (--max-num-batched-tokens 256, 1024, 2048 next to the default) on workload 1.
+#   the token budget (--max-num-batched-tokens 256, 1024, 2048 next to the default) on workload 1,
+#               and 2048 on workload 2.
 # Servers: prefill-first (--no-enable-chunked-prefill) and chunked (the defaults), both with
 # --max-model-len 16896 for workload 2, and one per extra budget. Writes, under $OUT, each run's
 # JSON and /metrics, the sweep's JSON + PNG, and serving_summary.{json,md} (the table).
@@ -95,6 +96,8 @@ fi
 for budget in 256 1024 2048; do
   if wanted "budget$budget" && start_server "budget$budget" --max-num-batched-tokens "$budget" "$@"; then
     bench "w1_budget$budget" "${W1[@]}"
+    # Long prompts are where a larger budget could pay: workload 2 at the largest one too.
+    [ "$budget" = 2048 ] && bench "w2_budget$budget" "${W2[@]}"
     stop_server
   fi
 done
