@@ -143,3 +143,40 @@ def test_sweep_plot_draws_every_series(tmp_path) -> None:
         assert rows_of(COLOURS[0], panel)
     median, p99 = rows_of(COLOURS[0], 0), rows_of(COLOURS[1], 0)
     assert p99 and min(p99) < min(median)  # higher values are drawn higher up
+
+
+def test_serving_table_checks_the_targets(tmp_path) -> None:
+    """tools/serving_table.py: throughput against prefill-first of the same workload, the ITL
+    ratio and the eager decode steps counted from the /metrics snapshots around each run."""
+    import importlib.util
+    import json
+    from pathlib import Path
+
+    spec = importlib.util.spec_from_file_location(
+        "serving_table", Path(__file__).resolve().parents[2] / "tools" / "serving_table.py")
+    table = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(table)
+
+    def run(tag, tok_s, itl50, itl99, eager_after):
+        (tmp_path / f"{tag}.json").write_text(json.dumps({
+            "completed": 10, "output_throughput": tok_s, "median_ttft_ms": 200.0,
+            "p99_ttft_ms": 900.0, "median_itl_ms": itl50, "p99_itl_ms": itl99}))
+        metrics = ('vllm:cuda_graph_replays_total{{family="text",bucket="8"}} {}\n'
+                   "vllm:eager_decode_steps_total {}\n")
+        (tmp_path / f"{tag}.metrics.before.txt").write_text(metrics.format(5, 1))
+        (tmp_path / f"{tag}.metrics.txt").write_text(metrics.format(105, 1 + eager_after))
+
+    run("w1_prefill_first", 1000.0, 7.0, 350.0, 0)
+    run("w1_chunked", 960.0, 12.0, 30.0, 0)
+    run("w1_budget256", 900.0, 10.0, 40.0, 2)
+    text = table.main(tmp_path)
+    rows = {r["variant"]: r for r in json.loads((tmp_path / "serving_summary.json")
+                                                .read_text())["runs"]}
+    assert rows["chunked"]["targets"] == {"1_throughput": True, "2_itl": True, "3_ttft": True,
+                                          "4_graphs": True}
+    assert rows["chunked"]["graph_replays"] == 100
+    assert rows["budget256"]["targets"]["1_throughput"] is False  # 90% of prefill-first
+    assert rows["budget256"]["targets"]["2_itl"] is False  # 4x the median
+    assert rows["budget256"]["eager_decode_steps"] == 2
+    assert rows["prefill_first"]["targets"]["2_itl"] is False
+    assert "| w1 | chunked | 960 | 96% |" in text
