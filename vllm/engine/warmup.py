@@ -9,10 +9,11 @@ and in a server that time stalls every running stream. The warm-up pays it befor
 request: a long-running text request decodes while image prompts of every tile count, prompts
 of several lengths and a sampled request with logprobs go through the same scheduler paths as
 served traffic (prefills while nothing decodes and next to the decode of others, prompts longer
-than the token budget in chunks, images encoded over steps). Afterwards the engine holds no request, every page is free and
-the runner's counters start from zero. Before the requests, the runner runs each text-layer
-GEMM at every padded prefill row count (``ModelRunner.warm_up_prefill_gemms``): cuBLAS's first call
-at a new row count costs host milliseconds, and prompt lengths vary without end.
+than the token budget in chunks, images encoded over steps). Afterwards the engine holds no
+request, every page is free and the runner's counters start from zero. Before the requests,
+the runner runs each text-layer GEMM at every padded prefill row count
+(``ModelRunner.warm_up_prefill_gemms``): cuBLAS's first call at a new row count costs host
+milliseconds, and prompt lengths vary without end.
 """
 
 from __future__ import annotations
