@@ -30,7 +30,8 @@ W1=(--num-prompts "$N1" --max-concurrency 32 --input-len 200 --random-range-rati
 # ~1.3 tokens a word: 6,900 words +-77% is about 2k-16k tokens.
 W2=(--num-prompts "$N2" --max-concurrency 16 --input-len 6900 --random-range-ratio 0.77
     --output-len 128 --image-ratio 0.5 --image-size 1120)
-COMMON=(--percentile-metrics ttft,tpot,itl,e2el --metric-percentiles 50,90,99 --disable-tqdm)
+COMMON=(--percentile-metrics ttft,tpot,itl,e2el --metric-percentiles 50,90,99 --disable-tqdm
+        --save-detailed)
 
 start_server() {  # start_server TAG [server args...]
   local tag=$1; shift
