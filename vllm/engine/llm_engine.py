@@ -200,9 +200,9 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         """Schedules and launches one step; returns the outputs that became available.
 
-        With async scheduling a decode step is launched while the previous step's results are
-        still in flight (when no admission or preemption decision needs them), and the
-        previous step is processed while the new one runs; outputs lag one step.
+        With async scheduling the next step is launched while the previous step's results are
+        still in flight (unless a preemption needs them), and the previous step is processed
+        while the new one runs; outputs lag one step.
 
         Raises :class:`~vllm.engine.errors.DeviceError` when the GPU failed: that is never
         pinned on a request, and no further step can run in this process.
