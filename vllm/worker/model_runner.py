@@ -284,9 +284,12 @@ class ModelRunner:
             vision = batch.assemble_vision(vision)
         for c in out.chunks:
             rows = batch.vision_rows.get(c.seq.request)
-            if rows is not None and c.progress.computed and vision is not None:
-                # Later chunks of the request attend to the same vision tokens.
-                c.progress.hold_vision(vision[rows[0] : rows[1]])
+            held = c.progress.vision is not None
+            if rows is not None and c.progress.computed and vision is not None and not held:
+                # Later chunks of the request attend to the same vision tokens (a copy when
+                # the step's vision holds other requests' too, so theirs can be freed).
+                own = vision[rows[0] : rows[1]]
+                c.progress.hold_vision(own if own.shape[0] == vision.shape[0] else own.clone())
         with set_forward_context(batch.metadata):
             hidden = self.model(batch.input_ids, batch.positions, vision)
         self._prompt_logprobs(out, batch, hidden, prompt_logprobs)
