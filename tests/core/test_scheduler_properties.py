@@ -11,7 +11,7 @@ from __future__ import annotations
 import dataclasses
 
 import torch
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from vllm import SamplingParams
@@ -138,7 +138,7 @@ class Sim:
         self.finished += [r.request_id for r in self.sched.release_finished()]
 
 
-@settings(max_examples=120, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(
     specs=st.lists(request_spec, min_size=1, max_size=10),
     events=st.lists(event, max_size=30),
@@ -147,6 +147,15 @@ class Sim:
     encoder=st.sampled_from([0, 2, 3, 7]),
     pages=st.integers(30, 60),
     policy=st.sampled_from(["fcfs", "priority"]),
+)
+@example(  # a higher priority arriving while two others are encoded ahead (was a deadlock)
+    specs=[(1, [0], 1, 1, 0, 2), (1, [0], 1, 1, 1, 1), (1, [0], 1, 1, 2, 0)],
+    events=[],
+    chunked=False,
+    budget=8,
+    encoder=2,
+    pages=30,
+    policy="priority",
 )
 def test_scheduler_properties(specs, events, chunked, budget, encoder, pages, policy) -> None:
     if not chunked:

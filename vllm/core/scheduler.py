@@ -259,6 +259,8 @@ class Scheduler:
         for req in list(self.waiting):
             if budget <= 0:
                 break
+            if req in out.preempted:
+                continue  # preempted for this step's decode: not re-admitted in it
             if self._needs_encoding(req):
                 continue  # its images are being encoded; it is not passed over
             if num_seqs + self._seqs_after_prefill(req) > c.max_num_seqs:
@@ -381,7 +383,7 @@ class Scheduler:
                 continue
             if p is None:
                 if ahead >= MAX_ENCODED_AHEAD:
-                    break
+                    continue  # those already under way go on (a later one may be first now)
                 ahead += 1
                 left = req.inputs.num_images * self.tracker.encoder_layers_per_image
             else:

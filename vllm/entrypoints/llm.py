@@ -29,7 +29,8 @@ class LLM:
                  **kwargs: Any) -> None:
         kwargs.pop("trust_remote_code", None)
         # Offline batches want throughput: prefill first unless asked otherwise.
-        kwargs.setdefault("enable_chunked_prefill", False)
+        if kwargs.get("enable_chunked_prefill") is None:
+            kwargs["enable_chunked_prefill"] = False
         args = EngineArgs(model=model, tokenizer=tokenizer, dtype=dtype, seed=seed,
                           enforce_eager=enforce_eager,
                           gpu_memory_utilization=gpu_memory_utilization,
