@@ -90,7 +90,8 @@ class TritonBackend:
         mask and native GQA (SDPA with a mask and GQA would take its math path)."""
         length, total = q.shape[0], k.shape[0]
         ranges = torch.zeros(length, 2, dtype=torch.int32, device=q.device)
-        torch.arange(total - length + 1, total + 1, device=q.device, out=ranges[:, 1])
+        ranges[:, 1] = torch.arange(total - length + 1, total + 1, dtype=torch.int32,
+                                    device=q.device)
         ranged_cross_attention(q, k, v, ranges, scale, out=out,
                                num_splits=self._cross_splits(q, k))
 
