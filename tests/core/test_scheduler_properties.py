@@ -17,12 +17,8 @@ from hypothesis import strategies as st
 from vllm import SamplingParams
 from vllm.config import SchedulerConfig
 from vllm.core.block_manager import BlockManager
-from vllm.core.scheduler import (
-    MAX_SKIPPED_STEPS,
-    RequestTooLarge,
-    Scheduler,
-    SchedulerOutput,
-)
+from vllm.core.scheduler import MAX_SKIPPED_STEPS, RequestTooLarge, Scheduler
+from vllm.core.scheduler_output import SchedulerOutput
 from vllm.core.sequence import Request, SequenceStatus
 from vllm.multimodal.cross_attention import image_runs, last_group
 from vllm.multimodal.processing import ImageInputs, ProcessedInputs

@@ -14,7 +14,8 @@ from typing import Any
 
 from vllm.config import VllmConfig
 from vllm.core.block_manager import BlockManager
-from vllm.core.scheduler import Scheduler, SchedulerOutput
+from vllm.core.scheduler import Scheduler
+from vllm.core.scheduler_output import SchedulerOutput
 from vllm.core.sequence import Request
 from vllm.engine.arg_utils import EngineArgs
 from vllm.engine.errors import DeviceError, device_error, is_device_error

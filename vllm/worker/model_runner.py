@@ -17,7 +17,7 @@ import torch
 
 from vllm.attention.metadata import DecodeMetadata
 from vllm.config import VllmConfig
-from vllm.core.scheduler import EncoderWork, PrefillChunk, SchedulerOutput
+from vllm.core.scheduler_output import EncoderWork, PrefillChunk, SchedulerOutput
 from vllm.core.sequence import Sequence
 from vllm.forward_context import set_forward_context
 from vllm.logger import init_logger
