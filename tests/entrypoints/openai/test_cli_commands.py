@@ -215,9 +215,11 @@ def test_bench_serve_request_rate_sweep(server: RunningServer, tmp_path: Path) -
 
     parser = argparse.ArgumentParser()
     bench_serve.add_cli_args(parser)
-    argv = (f"--base-url {server.url} --num-prompts 3 --disable-tqdm --input-len 4 "
-            f"--output-len 3 --image-size 32 --request-rate 40 inf --result-dir {tmp_path} "
-            "--result-filename sweep.json --metric-percentiles 90").split()
+    argv = (
+        f"--base-url {server.url} --num-prompts 3 --disable-tqdm --input-len 4 "
+        f"--output-len 3 --image-size 32 --request-rate 40 inf --result-dir {tmp_path} "
+        "--result-filename sweep.json --metric-percentiles 90"
+    ).split()
     rec = bench_serve.main(parser.parse_args(argv))
     assert rec["request_rates"] == [40.0, "inf"]
     saved = json.loads((tmp_path / "sweep.json").read_text())
