@@ -176,6 +176,16 @@ def copy_bandwidth_gb_s() -> float:
     return 2 * src.nbytes / (ms * 1e-3) / 1e9
 
 
+def read_bandwidth_gb_s() -> float:
+    """Read-only anchor: a float32 sum over 2 GiB (bytes read / median ``do_bench`` time,
+    GB/s); what a weight-streaming kernel's bytes are held against."""
+    import triton
+
+    src = torch.randn(1 << 29, device="cuda")
+    ms = triton.testing.do_bench(lambda: src.sum(), warmup=10, rep=200, return_mode="median")
+    return src.nbytes / (ms * 1e-3) / 1e9
+
+
 # ------------------------------------------------------------------------------ engine internals
 
 

@@ -59,3 +59,20 @@ def bnb_checkpoint(tmp_path_factory: pytest.TempPathFactory):
         return made[name]
 
     return get
+
+
+@pytest.fixture(scope="session")
+def fp8_checkpoint(tmp_path_factory: pytest.TempPathFactory):
+    """``name -> folder``: FP8 checkpoints of the tiny demo model, written by compressed-tensors
+    on first use (``helpers/fp8_checkpoints.py`` lists them)."""
+    from helpers.fp8_checkpoints import VARIANTS, make_checkpoint
+
+    root = tmp_path_factory.mktemp("fp8")
+    made: dict[str, Path] = {}
+
+    def get(name: str) -> Path:
+        if name not in made:
+            made[name] = make_checkpoint(root / name, VARIANTS[name])
+        return made[name]
+
+    return get

@@ -89,6 +89,6 @@ def test_readme_says_how_to_bind_loopback_and_where_the_demo_tokenizer_is() -> N
     out = subprocess.run([sys.executable, *args], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     folder = Path(out.stdout.strip())
-    assert folder.name == "mllama-tiny-v1" and (folder / "tokenizer.json").is_file()
+    assert folder.name == "mllama-tiny-v2" and (folder / "tokenizer.json").is_file()
     tokenizer = AutoTokenizer.from_pretrained(str(folder))
     assert tokenizer.convert_tokens_to_ids("<|image|>") == 512

@@ -59,6 +59,8 @@ class ModelConfig:
     tokenizer: str = ""  # as the user named it (the model's name when not given)
     # Image-processor options (--mm-processor-kwargs), checked by EngineArgs.
     mm_processor_kwargs: dict[str, Any] = field(default_factory=dict, compare=False)
+    # Processed images kept by digest (--mm-processor-cache-gb, GiB of host memory; 0: off).
+    mm_processor_cache_gb: float = 4.0
     # Sampling defaults over (or, with generation_config="vllm", instead of) the checkpoint's.
     override_generation_config: dict[str, Any] = field(default_factory=dict, compare=False)
 
@@ -140,6 +142,18 @@ class DeviceConfig:
 
 
 @dataclass(frozen=True)
+class DecodingConfig:
+    """Structured output (vLLM's ``decoding_config``): the grammar backend and what compiling
+    one request's constraint may cost (docs/security.md)."""
+
+    guided_decoding_backend: str = "xgrammar"
+    disable_any_whitespace: bool = False  # engine default for JSON constraints
+    compile_timeout_s: float = 10.0  # one compilation, queueing included
+    max_spec_chars: int = 65536  # a schema, regex, grammar or the choices, in characters
+    cache_bytes: int = 256 << 20  # compiled grammars kept for reuse
+
+
+@dataclass(frozen=True)
 class VllmConfig:
     """Everything the engine needs, in one immutable object."""
 
@@ -149,3 +163,4 @@ class VllmConfig:
     compilation_config: CompilationConfig
     parallel_config: ParallelConfig
     device_config: DeviceConfig
+    decoding_config: DecodingConfig = field(default_factory=DecodingConfig)

@@ -8,10 +8,32 @@ with them: each is a plain ``dict`` at run time, as upstream's are.
 
 ``mm_processor_kwargs`` per prompt is not supported: set it on the engine
 (``LLM(mm_processor_kwargs=...)``, ``--mm-processor-kwargs``).
+
+``cache_salt`` (vLLM's field, in any dict form): requests share cached KV only when their salts
+are equal, so a tenant's salt keeps its cache apart from every other tenant's
+(``docs/security.md``). A non-empty string of at most :data:`MAX_CACHE_SALT_CHARS` characters.
 """
 
 # No ``from __future__ import annotations``: TypedDict reads NotRequired from live annotations.
 from typing import Any, NotRequired, TypeAlias, TypedDict
+
+# Salts are secrets (a tenant's key) or ids (a user, a session): 256 characters hold any of
+# them, and bound what a request makes the engine hash and keep.
+MAX_CACHE_SALT_CHARS = 256
+
+
+def check_cache_salt(value: Any) -> str | None:
+    """``cache_salt`` as given (None when absent); raises ValueError naming the field."""
+    if value is None:
+        return None
+    if not isinstance(value, str) or not value:
+        raise ValueError("cache_salt must be a non-empty string if provided.")
+    if len(value) > MAX_CACHE_SALT_CHARS:
+        raise ValueError(
+            f"cache_salt is {len(value)} characters long; at most {MAX_CACHE_SALT_CHARS} are "
+            "allowed."
+        )
+    return value
 
 
 class TextPrompt(TypedDict):
@@ -19,6 +41,7 @@ class TextPrompt(TypedDict):
 
     prompt: str
     multi_modal_data: NotRequired[dict[str, Any]]
+    cache_salt: NotRequired[str]
 
 
 class TokensPrompt(TypedDict):
@@ -27,6 +50,7 @@ class TokensPrompt(TypedDict):
     prompt_token_ids: list[int]
     prompt: NotRequired[str]
     multi_modal_data: NotRequired[dict[str, Any]]
+    cache_salt: NotRequired[str]
 
 
 SingletonPrompt: TypeAlias = str | TextPrompt | TokensPrompt
@@ -42,9 +66,11 @@ class ExplicitEncoderDecoderPrompt(TypedDict):
 PromptType: TypeAlias = SingletonPrompt | ExplicitEncoderDecoderPrompt
 
 __all__ = [
+    "MAX_CACHE_SALT_CHARS",
     "ExplicitEncoderDecoderPrompt",
     "PromptType",
     "SingletonPrompt",
     "TextPrompt",
     "TokensPrompt",
+    "check_cache_salt",
 ]

@@ -16,6 +16,10 @@ from enum import Enum, IntEnum
 from numbers import Integral, Real
 from typing import Any
 
+from vllm.guided_params import GuidedDecodingParams
+
+__all__ = ["GuidedDecodingParams", "RequestOutputKind", "SamplingParams", "SamplingType"]
+
 # Temperatures below this are greedy decoding (vLLM's ``_SAMPLING_EPS``).
 _SAMPLING_EPS = 1e-5
 # Largest ``logprobs`` / ``prompt_logprobs`` the engine serves (checked by the engine, which may
@@ -142,6 +146,7 @@ class SamplingParams:
     logit_bias: dict[int, float] | None = None
     allowed_token_ids: list[int] | None = None
     bad_words: list[str] | None = None
+    guided_decoding: GuidedDecodingParams | None = None
 
     def __post_init__(self) -> None:
         self._eos_token_ids: frozenset[int] = frozenset()
@@ -263,6 +268,13 @@ class SamplingParams:
             )
         if self.bad_words:
             raise ValueError(f"bad_words is not supported yet, got {self.bad_words!r}.")
+        if self.guided_decoding is not None and not isinstance(
+            self.guided_decoding, GuidedDecodingParams
+        ):
+            raise ValueError(
+                "guided_decoding must be a GuidedDecodingParams, got "
+                f"{type(self.guided_decoding).__name__}."
+            )
         if self.allowed_token_ids is not None and (
             not self.allowed_token_ids
             or any(not _is_int(t) or t < 0 for t in self.allowed_token_ids)

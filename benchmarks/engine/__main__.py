@@ -16,6 +16,18 @@ COMMANDS = {
         "benchmarks.engine.ttft_tiles",
         "TTFT of one image of 1, 2, 3 or 4 tiles + 128 tokens",
     ),
+    "quant": (
+        "benchmarks.engine.quant",
+        "quantized weights (bitsandbytes, FP8) against bf16: decode, linears, TTFT, memory",
+    ),
+    "load": (
+        "benchmarks.engine.load",
+        "load time and peak GPU memory of a bf16 folder quantized at load (--quantization fp8)",
+    ),
+    "guided": (
+        "benchmarks.engine.guided",
+        "decode step time with every row under a JSON schema vs free rows, compile times",
+    ),
     "serving-loop": (
         "benchmarks.engine.serving_loop",
         "closed-loop TTFT and inter-token latency with image arrivals, per-step trace",

@@ -24,6 +24,10 @@ COMMANDS = {
         "benchmarks.kernels.nf4",
         "the 4-bit linears of a text layer: Triton NF4 GEMM vs bf16 vs bitsandbytes",
     ),
+    "fp8": (
+        "benchmarks.kernels.fp8",
+        "the FP8 linears of a text layer: Triton FP8 GEMM vs bf16, scratch, _scaled_mm",
+    ),
     "launch": (
         "benchmarks.kernels.launch",
         "host cost of launching a CUDA graph against its number of kernel nodes",

@@ -374,3 +374,43 @@ def test_ttft_tiles_smoke(tmp_path: Path) -> None:
     rows = json.loads(out.read_text())["rows"]
     assert [r["tiles"] for r in rows] == [1, 2, 3, 4]
     assert all(r["ttft_ms"] > 0 for r in rows)
+
+
+def test_quant_smoke(tmp_path: Path) -> None:
+    """python -m benchmarks.engine quant --smoke: bf16 and load-time NF4 on the tiny model, each
+    format's decode points and TTFT, the 4-bit linears' stored bytes well under bf16's, and
+    one target row per quantized decode point."""
+    out = tmp_path / "quant.json"
+    _run_module("benchmarks.engine", "quant", "--smoke", "--formats", "bf16,bitsandbytes",
+                "--out", str(out))
+    rep = json.loads(out.read_text())
+    bf16, nf4 = rep["results"]
+    assert [r["format"] for r in rep["results"]] == ["bf16", "bitsandbytes"]
+    for r in (bf16, nf4):
+        assert [(p["mix"], p["batch"]) for p in r["decode"]] == [("text", 1), ("image", 1)]
+        assert all(p["step_ms"] > 0 and p["eager"] == 0 for p in r["decode"])
+        assert r["ttft_ms"] > 0
+    # 4 bits + a uint8 scale per 64 weights + per-layer tables: ~0.27 of bf16 at 11B widths,
+    # a little more at the tiny widths.
+    ratio = nf4["bytes_image"]["linears"] / bf16["bytes_image"]["linears"]
+    assert 0.25 < ratio < 0.34, ratio
+    assert nf4["bytes_image"]["lm_head"] == bf16["bytes_image"]["lm_head"]
+    assert [(t["mix"], t["batch"]) for t in rep["targets"]] == [("text", 1), ("image", 1)]
+
+
+def test_guided_decode_smoke(tmp_path: Path) -> None:
+    """python -m benchmarks.engine guided --smoke: constrained and free runs at each batch
+    size, every constrained row decoding the full length from graphs, and a compile time for
+    each constraint of the suite."""
+    from benchmarks.engine.guided_schemas import CASES
+
+    out = tmp_path / "guided.json"
+    _run_module("benchmarks.engine", "guided", "--smoke", "--out", str(out))
+    rec = json.loads(out.read_text())
+    assert [r["bs"] for r in rec["rows"]] == [1, 4]
+    for r in rec["rows"]:
+        for name in ("free", "constrained"):
+            assert r[name]["replay_fraction"] == 1.0 and r[name]["step_ms"] > 0
+            assert r[name]["min_output_tokens"] == 32
+        assert r["constrained"]["finish_ms"] > 0 and r["free"]["finish_ms"] is None
+    assert set(rec["compile_s"]) == {c.name for c in CASES}

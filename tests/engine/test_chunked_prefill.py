@@ -252,3 +252,38 @@ def test_defaults_by_usage() -> None:
     assert sc.enable_chunked_prefill and sc.scheduling_policy == "fcfs"
     assert sc.max_num_batched_tokens == DEFAULT_CHUNKED_BATCHED_TOKENS
     assert sc.encoder_layers_per_step == DEFAULT_ENCODER_LAYERS_PER_STEP
+
+
+def test_constrained_decode_next_to_chunks(prefill_first: LLM) -> None:
+    """A constrained request decodes (its sampling deferred until the previous step's tokens
+    reach its matcher) in the same steps as another request's prefill chunks: the output
+    matches its grammar, and the other request's equals prefill-first."""
+    import re
+
+    from vllm.sampling_params import GuidedDecodingParams
+
+    llm = _chunked(12)
+    engine = llm.llm_engine
+    launch, deferred_with_chunks = engine.runner.launch, []
+
+    def logged(out):
+        handle = launch(out)
+        deferred_with_chunks.append(handle.finish is not None and bool(out.chunks))
+        return handle
+
+    engine.runner.launch = logged
+    guided = SamplingParams(
+        temperature=1.0,
+        seed=1,
+        max_tokens=30,
+        guided_decoding=GuidedDecodingParams(regex="[ab]{3,8}c"),
+    )
+    engine.add_request("g", "Constrained " + "word " * 10, guided)
+    for _ in range(6):
+        engine.step()
+    late = "A long free prompt " + "x " * 40
+    engine.add_request("f", late, GREEDY)
+    outs = _run(engine)
+    assert re.fullmatch("[ab]{3,8}c", outs["g"].outputs[0].text)
+    assert any(deferred_with_chunks)
+    _same(prefill_first.generate([late], GREEDY, use_tqdm=False), [outs["f"]], "next to guided")

@@ -63,11 +63,11 @@ def test_flags_parse_as_vllm_spells_them() -> None:
 
 
 def test_unbuilt_methods_are_refused_naming_what_is_supported() -> None:
-    for method in ("awq", "fp8", "gptq"):
+    for method in ("awq", "gptq", "bitsandbytes-8bit"):
         with pytest.raises(
             ValueError,
-            match=rf"quantization='{method}' is not supported yet.*"
-            "bitsandbytes 4-bit",
+            match=rf"quantization='{method}' is not supported;.*bitsandbytes 4-bit.*"
+            "compressed-tensors.*quantization='fp8'",
         ):
             _config(EngineArgs(model="demo/mllama-tiny", quantization=method))
     with pytest.raises(ValueError, match="load_format='bitsandbytes' needs quantization="):
@@ -86,11 +86,11 @@ def test_detected_from_config_json(tmp_path: Path) -> None:
     [
         ({**BNB_4BIT, "load_in_4bit": False, "load_in_8bit": True}, "8-bit bitsandbytes"),
         ({**BNB_4BIT, "bnb_4bit_quant_storage": "bfloat16"}, "quant_storage='bfloat16'"),
-        (
-            {"quant_method": "compressed-tensors", "format": "float-quantized"},
-            "'compressed-tensors'.*supported: bitsandbytes 4-bit",
-        ),
         ({"quant_method": "gptq", "bits": 4}, "'gptq'.*supported: bitsandbytes 4-bit"),
+        (
+            {"quant_method": "fp8", "weight_block_size": [128, 128]},
+            "'fp8'.*supported: bitsandbytes",
+        ),
         ({"bits": 4}, "quant_method` is missing"),
     ],
 )
@@ -99,3 +99,129 @@ def test_checkpoint_methods_not_built_are_refused(tmp_path: Path, block: dict, m
     for quantization in (None, "bitsandbytes"):
         with pytest.raises(ValueError, match=match):
             _config(EngineArgs(model=str(path), quantization=quantization))
+
+
+# The config.json block of RedHatAI's FP8-dynamic checkpoints (quantization.md section 3).
+FP8_DYNAMIC = {
+    "config_groups": {
+        "group_0": {
+            "input_activations": {
+                "actorder": None,
+                "block_structure": None,
+                "dynamic": True,
+                "group_size": None,
+                "num_bits": 8,
+                "observer": None,
+                "observer_kwargs": {},
+                "strategy": "token",
+                "symmetric": True,
+                "type": "float",
+            },
+            "output_activations": None,
+            "targets": ["Linear"],
+            "weights": {
+                "actorder": None,
+                "block_structure": None,
+                "dynamic": False,
+                "group_size": None,
+                "num_bits": 8,
+                "observer": "minmax",
+                "observer_kwargs": {},
+                "strategy": "channel",
+                "symmetric": True,
+                "type": "float",
+            },
+        }
+    },
+    "format": "float-quantized",
+    "global_compression_ratio": 1.36,
+    "ignore": ["language_model.lm_head", "multi_modal_projector"],
+    "kv_cache_scheme": None,
+    "quant_method": "compressed-tensors",
+    "quantization_status": "compressed",
+}
+
+
+def test_fp8_methods_and_detection(tmp_path: Path) -> None:
+    """``fp8`` quantizes at load (with dummy weights too); a compressed-tensors FP8 checkpoint
+    is detected from config.json (``quantization_config``, or the older
+    ``compression_config``), and the flag must agree with it."""
+    assert _config(EngineArgs(model="demo/mllama-tiny", quantization="fp8")).quantization == "fp8"
+    mc = _config(EngineArgs(model="demo/mllama-11b", load_format="dummy", quantization="fp8"))
+    assert mc.quantization == "fp8"
+    path = _with_quant_config(tmp_path, FP8_DYNAMIC)
+    for flag in (None, "compressed-tensors"):
+        assert _config(EngineArgs(model=str(path), quantization=flag)).quantization == (
+            "compressed-tensors"
+        )
+    for flag in ("fp8", "bitsandbytes"):
+        with pytest.raises(
+            ValueError,
+            match=rf"quantization='{flag}' does not match .*"
+            "'compressed-tensors'",
+        ):
+            _config(EngineArgs(model=str(path), quantization=flag))
+    raw = json.loads((path / "config.json").read_text())
+    raw["compression_config"] = raw.pop("quantization_config")
+    (path / "config.json").write_text(json.dumps(raw))
+    assert _config(EngineArgs(model=str(path))).quantization == "compressed-tensors"
+    with pytest.raises(
+        ValueError,
+        match="needs a checkpoint whose config.json has a compressed-tensors.*quantization='fp8'",
+    ):
+        _config(EngineArgs(model="demo/mllama-tiny", quantization="compressed-tensors"))
+
+
+def _group(**weights: object) -> dict:
+    block = json.loads(json.dumps(FP8_DYNAMIC))
+    block["config_groups"]["group_0"]["weights"].update(weights)
+    return block
+
+
+@pytest.mark.parametrize(
+    ("block", "match"),
+    [
+        (_group(num_bits=4, type="int"), "4-bit int weights"),
+        (_group(strategy="group", group_size=128), "weight strategy 'group'"),
+        (_group(strategy="block", block_structure=[128, 128]), "weight strategy 'block'"),
+        ({**FP8_DYNAMIC, "format": "pack-quantized"}, "format 'pack-quantized'"),
+        ({**FP8_DYNAMIC, "kv_cache_scheme": {"num_bits": 8, "type": "float"}}, "kv_cache_scheme"),
+        (
+            {
+                **FP8_DYNAMIC,
+                "config_groups": {
+                    "g": {**FP8_DYNAMIC["config_groups"]["group_0"], "targets": ["MllamaTextMLP"]}
+                },
+            },
+            "targets the class 'MllamaTextMLP'",
+        ),
+        (
+            {
+                **FP8_DYNAMIC,
+                "config_groups": {
+                    "g": {
+                        **FP8_DYNAMIC["config_groups"]["group_0"],
+                        "input_activations": {"num_bits": 8, "type": "int", "strategy": "token"},
+                    }
+                },
+            },
+            "quantizes input activations",
+        ),
+    ],
+)
+def test_compressed_tensors_schemes_not_served_are_refused(
+    tmp_path: Path, block: dict, match: str
+) -> None:
+    path = _with_quant_config(tmp_path, block)
+    with pytest.raises(ValueError, match=rf"{match}.*(supported|'auto')"):
+        _config(EngineArgs(model=str(path)))
+
+
+def test_fp8_kv_cache_is_refused_naming_what_is_supported() -> None:
+    for dtype in ("fp8", "fp8_e4m3", "fp8_e5m2"):
+        with pytest.raises(
+            ValueError,
+            match=rf"kv_cache_dtype='{dtype}' is not supported.*"
+            "supported: 'auto'",
+        ):
+            _config(EngineArgs(model="demo/mllama-tiny", kv_cache_dtype=dtype))

@@ -67,6 +67,7 @@ def test_warmup_covers_spread_paths_and_leaves_engine_clean(reference: list) -> 
     assert engine.kv_cache_usage() == 0.0
     assert len(engine.scheduler.tracker) == 0 and engine.runner.stats.steps == 0
     assert not engine.runner.stats.graph_replays and engine.scheduler.num_preemptions == 0
+    assert len(engine.input_processor.image_cache) == 0  # the random images are dropped
     # The warm-up's requests were counted as they ran, and are not served traffic: /metrics
     # starts from zero.
     assert seen["finished"] >= stats.requests - 1  # all but the aborted long-running one

@@ -134,8 +134,28 @@ def test_nf4_gemm() -> None:
     layer, w = bnb_layer([48, 16], 256, dtype=DT)
     x = rows_past_2_31(3, 256, seed=15)
     out = rows_past_2_31(3, 64, seed=16)
-    nf4_gemm(x, layer.fmt.quantized_weight(layer), Nf4Config(16, 32, 128, num_stages=2), out)
+    nf4_gemm(x, layer.fmt.quantized_weight(layer), Nf4Config(4, 32, num_stages=2), out)
     torch.testing.assert_close(out, F.linear(x.contiguous(), w), **TOL)
+
+
+def test_fp8_gemm_and_dequantize() -> None:
+    """The FP8 GEMM reading activations and writing outputs past 2^31 elements, and the
+    dequantization writing matrix rows there."""
+    from vllm.model_executor.layers.fp8_gemm import Fp8Config, Fp8Weight, dequantize, fp8_gemm
+    from vllm.model_executor.layers.quantization.fp8 import quantize_fp8
+
+    w = (0.05 * torch.randn(64, 256, generator=_gen(17))).to(DEVICE, DT)
+    q, s = quantize_fp8(w)
+    fw = Fp8Weight(q, s.view(-1).float(), DT)
+    dense = (q.to(DT) * s).to(DT)
+    x = rows_past_2_31(3, 256, seed=18)
+    out = rows_past_2_31(3, 64, seed=19)
+    for cfg in (Fp8Config(16, 32, 128, num_stages=2), Fp8Config(2, 32, 64, split_k=2)):
+        fp8_gemm(x, fw, cfg, out)
+        torch.testing.assert_close(out, F.linear(x.contiguous(), dense), **TOL)
+    matrix = rows_past_2_31(17, 256, seed=20, stride=BIG // 8)  # row 16 starts at 2^31
+    dequantize(Fp8Weight(q[:17], fw.scale[:17], DT), matrix)
+    assert torch.equal(matrix.contiguous(), dense[:17])
 
 
 def test_argmax_rows() -> None:

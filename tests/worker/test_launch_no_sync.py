@@ -105,3 +105,33 @@ def test_prompt_logprobs_reach_the_host_only_at_collect() -> None:
     assert len(got_vals) == len(got_ids) == len(got_ranks) == n
     # The image token's position has rank 0 (no logprob); every other rank is a real rank.
     assert sum(images) == 1 and [r == 0 for r in got_ranks] == images
+
+
+def test_constrained_decode_does_not_synchronise() -> None:
+    """Rows under a grammar next to free rows: the forward is replayed, then the masks are
+    filled and the step sampled (``finish_launch``) without waiting for the GPU."""
+    from vllm.sampling_params import GuidedDecodingParams
+
+    llm = LLM(model="demo/mllama-tiny", max_model_len=256, max_num_seqs=8)
+    engine = llm.llm_engine
+    guided = GuidedDecodingParams(regex=r"[a-z]{30,40}", disable_any_whitespace=True)
+    constrained = SamplingParams(temperature=1.0, seed=1, max_tokens=12, logprobs=2,
+                                 guided_decoding=guided)
+    free = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    llm.generate(["warm up", "warm up too"], [constrained, free], use_tqdm=False)
+    runner = engine.runner
+    runner.launch = _strictly(runner.launch)
+    runner.finish_launch = _strictly(runner.finish_launch)
+    engine.add_request("c", "Constrained", constrained)
+    engine.add_request("f", "Free", free)
+    done = {}
+    for _ in range(100):
+        for o in engine.step():
+            if o.finished:
+                done[o.request_id] = o
+        if not engine.has_unfinished_requests():
+            break
+    assert set(done) == {"c", "f"}
+    text = done["c"].outputs[0].text
+    assert len(text) == 12 and text.isalpha() and text.islower()
+    assert runner.stats.eager_decode_steps == 0 and runner.grammar_rows.masked_steps >= 11

@@ -52,6 +52,10 @@ class Sequence:
     detokenizer: Any = None
     generator: Any = None
     inflight: int = 0  # tokens sampled on the device whose results the host has not read yet
+    # Its grammar matcher (``guided_decoding.matcher.SequenceGrammar``) when the request has
+    # a constraint: created at its first sample, kept in step with its output tokens (kept
+    # over preemption; rebuilt from the tokens if it ever saw more than the sequence has).
+    grammar: Any = None
 
     @property
     def prompt_len(self) -> int:
@@ -90,6 +94,7 @@ class Request:
     finished_time: float | None = None
     num_preemptions: int = 0
     error: BaseException | None = None  # set when the request failed inside the engine
+    grammar: Any = None  # the compiled constraint (an xgrammar CompiledGrammar), if any
 
     def unfinished_seqs(self) -> list[Sequence]:
         return [s for s in self.seqs if not s.status.finished]

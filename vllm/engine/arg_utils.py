@@ -13,6 +13,7 @@ from vllm import envs
 from vllm.config import (
     CacheConfig,
     CompilationConfig,
+    DecodingConfig,
     DeviceConfig,
     ModelConfig,
     ParallelConfig,
@@ -21,8 +22,12 @@ from vllm.config import (
     resolve_dtype,
 )
 from vllm.engine.cli_args import add_engine_cli_args, parse_limit_mm_per_prompt
+from vllm.guided_params import BACKENDS as GUIDED_DECODING_BACKENDS
 from vllm.logger import init_logger
-from vllm.model_executor.layers.quantization import resolve_quantization
+from vllm.model_executor.layers.quantization import (
+    check_quantization_flag,
+    resolve_quantization,
+)
 from vllm.transformers_utils.config import load_mllama_config
 from vllm.transformers_utils.hub import resolve_model
 
@@ -84,6 +89,7 @@ class EngineArgs:
     cuda_graph_sizes: list[int] | None = None
     limit_mm_per_prompt: dict[str, int] | str | None = None
     mm_processor_kwargs: dict[str, Any] | None = None
+    mm_processor_cache_gb: float = 4
     hf_overrides: dict[str, Any] | None = None
     override_generation_config: dict[str, Any] | None = None
     load_format: str = "auto"
@@ -102,6 +108,9 @@ class EngineArgs:
     kv_cache_dtype: str = "auto"
     disable_log_stats: bool = False
     async_scheduling: bool = True
+    # Structured output: the grammar library, and compact JSON by default.
+    guided_decoding_backend: str = "xgrammar"
+    guided_decoding_disable_any_whitespace: bool = False
     # Accepted for compatibility; they do not change anything here.
     swap_space: float = 4
     max_seq_len_to_capture: int = 8192
@@ -128,7 +137,7 @@ class EngineArgs:
         return torch.device(self.device)
 
     def _check_unsupported(self) -> None:
-        resolve_quantization(self.quantization, "auto", None)  # the flag alone, early
+        check_quantization_flag(self.quantization)  # the flag alone, early
         if self.tensor_parallel_size != 1:
             raise ValueError("tensor_parallel_size > 1 is not supported yet (one GPU per model)")
         if self.pipeline_parallel_size != 1:
@@ -144,10 +153,18 @@ class EngineArgs:
                 raise ValueError(f"{name} must be a dict (JSON object), got "
                                  f"{type(value).__name__}")
         if self.kv_cache_dtype != "auto":
-            raise ValueError(f"kv_cache_dtype={self.kv_cache_dtype!r} is not supported yet")
+            raise ValueError(
+                f"kv_cache_dtype={self.kv_cache_dtype!r} is not supported: the KV cache (self "
+                "and cross attention) is kept in the model dtype; supported: 'auto'. FP8 "
+                "weights (--quantization fp8, or an FP8 checkpoint) work with it.")
         if self.enable_prefix_caching:
             logger.warning("Prefix caching is not supported for this encoder-decoder model; "
                            "ignoring enable_prefix_caching.")
+        cache_gb = self.mm_processor_cache_gb
+        if isinstance(cache_gb, bool) or not isinstance(cache_gb, (int, float)) \
+                or not 0 <= cache_gb < float("inf"):
+            raise ValueError(f"mm_processor_cache_gb must be a number >= 0 (GiB; 0 turns the "
+                             f"processed-image cache off), got {cache_gb!r}")
         if not 0.0 < self.gpu_memory_utilization <= 1.0:
             raise ValueError("gpu_memory_utilization must be in (0, 1], got "
                              f"{self.gpu_memory_utilization}")
@@ -202,7 +219,18 @@ class EngineArgs:
             parallel_config=ParallelConfig(self.tensor_parallel_size,
                                            self.pipeline_parallel_size),
             device_config=DeviceConfig(device),
+            decoding_config=self._decoding_config(),
         )
+
+    def _decoding_config(self) -> DecodingConfig:
+        backend = self.guided_decoding_backend.split(":", 1)[0]
+        if backend not in GUIDED_DECODING_BACKENDS:
+            raise ValueError(f"guided_decoding_backend={self.guided_decoding_backend!r} is not "
+                             f"available; this engine serves {', '.join(GUIDED_DECODING_BACKENDS)}"
+                             " (auto is xgrammar)")
+        return DecodingConfig(
+            guided_decoding_backend="xgrammar",
+            disable_any_whitespace=self.guided_decoding_disable_any_whitespace)
 
     def _model_config(self, device: torch.device) -> ModelConfig:
         """The checkpoint (resolved to a folder, downloaded if need be) and how to run it."""
@@ -231,6 +259,7 @@ class EngineArgs:
             quantization=quantization, revision=self.revision,
             tokenizer=self.tokenizer or self.model,
             mm_processor_kwargs=self._mm_processor_kwargs(spec.vision.max_num_tiles),
+            mm_processor_cache_gb=float(self.mm_processor_cache_gb),
             override_generation_config=dict(self.override_generation_config or {}))
 
     def _graph_sizes(self, sched: SchedulerConfig) -> tuple[int, ...]:

@@ -95,6 +95,7 @@ class _Add:
     params: SamplingParams
     stream: _Stream
     priority: int = 0
+    grammar: Any = None  # the compiled constraint (``LLMEngine.compile_grammar``), if any
 
 
 @dataclass
@@ -189,20 +190,30 @@ class AsyncLLMEngine:
         loop = asyncio.get_running_loop()
         return await loop.run_in_executor(self._pool, self.engine.process_inputs, prompt)
 
+    async def compile_grammar(self, params: SamplingParams) -> Any:
+        """The request's compiled constraint, compiled off the event loop and the engine
+        loop (bounded in time; raises ``GuidedDecodingError``, a ValueError)."""
+        return await asyncio.to_thread(self.engine.compile_grammar, params)
+
     async def generate(self, prompt: Any, sampling_params: SamplingParams, request_id: str,
                        processed: Any = None, ticket: QueueTicket | None = None,
-                       priority: int = 0) -> AsyncIterator[RequestOutput]:
+                       priority: int = 0, grammar: Any = None) -> AsyncIterator[RequestOutput]:
         """Streams a request's outputs; aborts it if the consumer goes away. ``ticket`` (from
-        :meth:`reserve`) is closed at the first output, or when the stream ends."""
+        :meth:`reserve`) is closed at the first output, or when the stream ends. A
+        constrained request's ``grammar`` comes from :meth:`compile_grammar` (compiled here
+        when not given: never on the engine loop)."""
         try:
             await self.check_health()
             if processed is None:
                 processed = await self.process_inputs(prompt)
+            if sampling_params.guided_decoding is not None and grammar is None:
+                grammar = await self.compile_grammar(sampling_params)  # not on the loop
             stream = _Stream(asyncio.get_running_loop())
             if request_id in self._streams:
                 raise ValueError("the request id is already in use")
             self._streams[request_id] = stream
-            self._commands.put(_Add(request_id, processed, sampling_params, stream, priority))
+            self._commands.put(_Add(request_id, processed, sampling_params, stream, priority,
+                                    grammar))
         except BaseException:
             if ticket is not None:
                 ticket.close()
@@ -277,7 +288,7 @@ class AsyncLLMEngine:
             return
         try:
             engine.add_request(cmd.request_id, None, cmd.params, processed=cmd.processed,
-                               priority=cmd.priority)
+                               priority=cmd.priority, grammar=cmd.grammar)
         except Exception as e:  # bad request: fail it alone
             cmd.stream.put(e)
 

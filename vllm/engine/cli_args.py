@@ -212,6 +212,11 @@ _FLAG_SPECS: dict[str, dict[str, Any]] = {
         "help": "Options of the checkpoint's image processor, as JSON or dotted, e.g. "
         "'{\"max_image_tiles\": 2}' (at most the model's max_num_tiles).",
     },
+    "mm_processor_cache_gb": {
+        "type": float,
+        "help": "GiB of host memory for processed images (tiles), kept by content hash so "
+        "that an image sent again is neither decoded nor tiled again; 0 turns it off.",
+    },
     "hf_overrides": {
         "type": json_dict_type,
         "action": MergeDictAction,
@@ -245,8 +250,10 @@ _FLAG_SPECS: dict[str, dict[str, Any]] = {
     },
     "quantization": {
         "help": "Quantization method of the weights: 'bitsandbytes' (4-bit NF4/FP4: a "
-        "pre-quantized checkpoint, or a bf16 one quantized at load). Read from config.json "
-        "when absent."
+        "pre-quantized checkpoint, or a bf16 one quantized at load), 'compressed-tensors' "
+        "(an FP8 checkpoint), 'fp8' (a bf16 checkpoint quantized to FP8 per channel at load; "
+        "the vision tower, projector and LM head stay in --dtype). FP8 runs weight-only: "
+        "activations are not quantized. Read from config.json when absent."
     },
     "tensor_parallel_size": {
         "type": int,
@@ -268,7 +275,8 @@ _FLAG_SPECS: dict[str, dict[str, Any]] = {
     "max_logprobs": {"type": int, "help": "Maximum logprobs / top_logprobs a request may ask for."},
     "kv_cache_dtype": {
         "choices": KV_CACHE_DTYPE_CHOICES,
-        "help": "KV cache dtype (auto is supported).",
+        "help": "KV cache dtype: 'auto' (the model dtype) is supported; the FP8 ones are "
+        "refused (an error), not ignored.",
     },
     "disable_log_stats": {"action": "store_true", "help": "Disable the periodic stats log."},
     "swap_space": {
@@ -284,6 +292,14 @@ _FLAG_SPECS: dict[str, dict[str, Any]] = {
     "enable_prefix_caching": {
         "action": argparse.BooleanOptionalAction,
         "help": "Accepted; prefix caching is off for this model.",
+    },
+    "guided_decoding_backend": {
+        "help": "Library that compiles structured-output constraints (JSON schemas, regexes, "
+        "choices, grammars): xgrammar ('auto' is xgrammar).",
+    },
+    "guided_decoding_disable_any_whitespace": {
+        "action": "store_true",
+        "help": "JSON constraints allow no optional whitespace (compact output).",
     },
     "tokenizer_mode": {
         "choices": ("auto", "slow", "mistral", "custom"),

@@ -7,6 +7,7 @@ free what finished -> outputs. Bad input raises at ``add_request`` and never rea
 from __future__ import annotations
 
 import json
+import threading
 import time
 from collections.abc import Iterable
 from pathlib import Path
@@ -23,6 +24,7 @@ from vllm.engine.output_processor import OutputProcessor
 from vllm.engine.stats import EngineStats
 from vllm.engine.warmup import warm_up
 from vllm.logger import init_logger
+from vllm.model_executor.guided_decoding.compiler import GrammarCompilerService
 from vllm.multimodal.processing import MllamaInputProcessor
 from vllm.outputs import RequestOutput
 from vllm.sampling_params import SamplingParams
@@ -71,7 +73,8 @@ class LLMEngine:
             mc.spec, self.tokenizer, get_image_processor(mc.model_path),
             mc.limit_images_per_prompt, config.model_config.max_model_len,
             pixel_dtype=mc.dtype, pin_memory=self.runner.device.type == "cuda",
-            processor_kwargs=mc.mm_processor_kwargs)
+            processor_kwargs=mc.mm_processor_kwargs,
+            image_cache_bytes=int(mc.mm_processor_cache_gb * (1 << 30)))
         lo = self.runner.layout
         self.block_manager = BlockManager(num_pages, lo.block_size, lo.cross_block_size)
         vision = mc.spec.vision
@@ -89,6 +92,8 @@ class LLMEngine:
         # Launch step N+1 before reading step N's results, so host work overlaps the GPU.
         self.async_scheduling = async_scheduling
         self._pending: StepHandle | None = None
+        self._grammar_compiler: GrammarCompilerService | None = None
+        self._compiler_lock = threading.Lock()
         self._last_log = time.monotonic()
         self._tokens_since_log = [0, 0]
         self._host_at_log = (0.0, 0)
@@ -134,8 +139,10 @@ class LLMEngine:
 
     def add_request(self, request_id: str, prompt: Any, params: SamplingParams | None = None,
                     arrival_time: float | None = None, processed: Any = None,
-                    priority: int = 0) -> None:
-        """Validates and queues a request; raises ValueError on bad input. ``priority``
+                    grammar: Any = None, priority: int = 0) -> None:
+        """Validates and queues a request; raises ValueError on bad input. A constrained
+        request's grammar is compiled here unless given (``compile_grammar``, which the
+        server runs in a thread before the request reaches the engine loop). ``priority``
         (``--scheduling-policy priority``): lower values are served first."""
         if priority != 0 and self.config.scheduler_config.scheduling_policy != "priority":
             raise ValueError(f"priority={priority} needs scheduling_policy='priority'")
@@ -143,8 +150,11 @@ class LLMEngine:
         params.update_from_generation_config(
             {"eos_token_id": self.generation_config.get("eos_token_id")}, self.eos_token_ids)
         self.check_params(params)
+        if params.guided_decoding is not None and grammar is None:
+            grammar = self.compile_grammar(params)
         inputs = processed if processed is not None else self.process_inputs(prompt)
         request = Request(request_id, inputs, params, priority=int(priority))
+        request.grammar = grammar if params.guided_decoding is not None else None
         if arrival_time is not None:
             request.arrival_time = arrival_time
         self.scheduler.add_request(request)
@@ -169,6 +179,23 @@ class LLMEngine:
         if allowed and params.min_tokens and allowed <= set(params.all_stop_token_ids):
             raise ValueError("allowed_token_ids holds only stop tokens, which min_tokens "
                              "suppresses: no token could be sampled")
+
+    @property
+    def grammar_compiler(self) -> GrammarCompilerService:
+        """The engine's xgrammar compiler (built at the first constrained request)."""
+        if self._grammar_compiler is None:
+            with self._compiler_lock:
+                if self._grammar_compiler is None:
+                    self._grammar_compiler = GrammarCompilerService(
+                        self.tokenizer, self.config.model_config.spec.text.vocab_size,
+                        self.eos_token_ids, self.config.decoding_config)
+        return self._grammar_compiler
+
+    def compile_grammar(self, params: SamplingParams) -> Any:
+        """The compiled constraint of ``params`` (cached; thread-safe and bounded in time:
+        raises ``GuidedDecodingError``, a ValueError, naming the problem)."""
+        assert params.guided_decoding is not None
+        return self.grammar_compiler.compile(params.guided_decoding)
 
     def abort_request(self, request_ids: str | Iterable[str]) -> None:
         ids = [request_ids] if isinstance(request_ids, str) else list(request_ids)
@@ -242,6 +269,19 @@ class LLMEngine:
         for s in handle.result.seqs:
             s.inflight += 1
         previous, self._pending = self._pending, handle
+        if handle.finish is not None:
+            # Constrained rows: the previous step's tokens advance their matchers, then this
+            # step's masks are filled and it is sampled, while the GPU runs its forward.
+            if previous is not None:
+                outputs += self._collect(previous)
+                previous = None
+            try:
+                self.runner.finish_launch(handle)
+            except Exception as e:  # attributed below, or re-raised
+                self._pending = None
+                for s in handle.result.seqs:
+                    s.inflight -= 1
+                return outputs + self._isolate_failure(out, e)
         if previous is not None:
             outputs += self._collect(previous)
         if not self.async_scheduling:

@@ -2,7 +2,9 @@
 
 Per sampled token: append it, record logprobs, detokenize incrementally, then check the stop
 conditions in vLLM's order (EOS unless ignore_eos, stop_token_ids, stop strings, max_tokens,
-max_model_len), all subject to min_tokens. A request with ``max_tokens=0`` ends when its
+max_model_len), all subject to min_tokens; a constrained sequence's grammar matcher accepts
+the token first, and the sequence stops once the grammar has accepted a stop token. A request
+with ``max_tokens=0`` ends when its
 prefill's results arrive, without the token that prefill sampled (its prompt logprobs are the
 output).
 """
@@ -101,6 +103,8 @@ class OutputProcessor:
             seq.token_ids.append(result.token_ids[i])
             timing.generated += 1
             try:
+                if seq.grammar is not None:  # its matcher follows the tokens as they arrive
+                    seq.grammar.sync(seq.token_ids, seq.prompt_len)
                 if result.logprobs is not None and req.params.logprobs is not None:
                     self._append_logprobs(seq, result, i)
                 status = self._check_stop(seq)
@@ -193,6 +197,11 @@ class OutputProcessor:
             if result.stop_string is not None:
                 seq.stop_reason = result.stop_string
                 return SequenceStatus.FINISHED_STOPPED
+        if seq.grammar is not None and seq.grammar.terminated:
+            # The constraint accepted a stop token (also with ignore_eos or min_tokens unmet:
+            # the grammar allows nothing after it).
+            detok.flush()
+            return SequenceStatus.FINISHED_STOPPED
         if (p.max_tokens is not None and n_out >= p.max_tokens) or len(seq) >= self.max_model_len:
             detok.flush()
             return SequenceStatus.FINISHED_LENGTH_CAPPED

@@ -10,10 +10,10 @@ request: a long-running text request decodes while image prompts of every tile c
 of several lengths and a sampled request with logprobs go through the same scheduler paths as
 served traffic (prefills while nothing decodes and next to the decode of others, prompts longer
 than the token budget in chunks, images encoded over steps). Afterwards the engine holds no
-request, every page is free and the runner's counters start from zero. Before the requests,
-the runner runs each text-layer GEMM at every padded prefill row count
-(``ModelRunner.warm_up_prefill_gemms``): cuBLAS's first call at a new row count costs host
-milliseconds, and prompt lengths vary without end.
+request, every page is free and the runner's counters start from zero; its random images are
+not kept in the processed-image cache. Before the requests, the runner runs each text-layer
+GEMM at every padded prefill row count (``ModelRunner.warm_up_prefill_gemms``): cuBLAS's first
+call at a new row count costs host milliseconds, and prompt lengths vary without end.
 """
 
 from __future__ import annotations
@@ -131,6 +131,7 @@ def warm_up(engine: LLMEngine) -> WarmupStats:
     t0 = time.perf_counter()
     gemms = engine.runner.warm_up_prefill_gemms()
     first, second = _prompts(engine)
+    engine.input_processor.image_cache.clear()  # the warm-up's random images: no one's
     ids = [f"{WARMUP_PREFIX}{i}" for i in range(len(first) + len(second))]
     for rid, (inputs, params) in zip(ids[:len(first)], first, strict=True):
         engine.add_request(rid, None, params, processed=inputs)

@@ -14,12 +14,14 @@ never adds a second BOS.
 from __future__ import annotations
 
 import asyncio
+import json
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from vllm.entrypoints.chat_template import ChatTemplateBudget, render_template
 from vllm.multimodal.image import ImageMediaConnector, check_image
+from vllm.multimodal.image_identity import EncodedImageLookup
 
 # Keys a request's chat_template_kwargs may not override (they are set from the request).
 _RESERVED_TEMPLATE_KWARGS = frozenset(
@@ -121,8 +123,23 @@ def parse_conversation(messages: Any, content_format: str = "auto") -> ParsedCon
             raise ValueError(f"messages[{i}].content must be a string or a list of parts.")
         converted = {"role": msg["role"], "content": content}
         converted.update({k: msg[k] for k in _PASSTHROUGH_KEYS if k in msg})
+        if isinstance(converted.get("tool_calls"), list):
+            converted["tool_calls"] = [_template_tool_call(c) for c in converted["tool_calls"]]
         out.append(converted)
     return ParsedConversation(out, images)
+
+
+def _template_tool_call(call: Any) -> Any:
+    """An assistant message's tool call as templates read it: OpenAI sends the arguments as
+    JSON text, templates render them as an object (upstream's conversion)."""
+    fn = call.get("function") if isinstance(call, dict) else None
+    if not isinstance(fn, dict) or not isinstance(fn.get("arguments"), str):
+        return call
+    try:
+        args = json.loads(fn["arguments"])
+    except ValueError:
+        return call
+    return {**call, "function": {**fn, "arguments": args}}
 
 
 def _as_string(parts: list[dict[str, Any]]) -> str:
@@ -290,9 +307,11 @@ def parse_chat_messages(
     continue_final_message: bool = False,
     media: ImageMediaConnector | None = None,
     content_format: str = "auto",
+    lookup: EncodedImageLookup | None = None,
 ) -> dict[str, Any]:
     """Blocking: messages -> ``{"prompt_token_ids", "prompt", "multi_modal_data"}`` (offline
-    ``LLM.chat``). Image URLs are loaded with ``media`` (default rules if omitted)."""
+    ``LLM.chat``). Image URLs are loaded with ``media`` (default rules if omitted), through
+    the processed-image cache when ``lookup`` (``MllamaInputProcessor.image_lookup``) is given."""
     parsed = parse_conversation(messages, content_format)
     text, ids = _render_and_tokenize(
         tokenizer,
@@ -305,7 +324,9 @@ def parse_chat_messages(
     )
     media = media or ImageMediaConnector()
     images = [
-        check_image(src, f"image {i}") if not isinstance(src, str) else media.fetch_image(src)
+        check_image(src, f"image {i}")
+        if not isinstance(src, str)
+        else media.fetch_image(src, lookup)
         for i, src in enumerate(parsed.image_sources)
     ]
     return make_prompt(ids, text, images)
@@ -321,10 +342,13 @@ async def parse_chat_messages_async(
     continue_final_message: bool = False,
     add_special_tokens: bool = False,
     budget: ChatTemplateBudget | None = None,
+    lookup: EncodedImageLookup | None = None,
 ) -> dict[str, Any]:
     """The server's path: the template (under ``budget``) and tokenizer run in a worker thread
     while the images are fetched and decoded concurrently, all of them within the media
-    connector's per-request deadline; nothing here blocks the event loop."""
+    connector's per-request deadline; nothing here blocks the event loop. With ``lookup``
+    (``MllamaInputProcessor.image_lookup``) an image the processed-image cache holds is not
+    decoded."""
     for src in parsed.image_sources:
         if not isinstance(src, str):
             raise ValueError("image_pil parts are only supported offline; send image_url.")
@@ -339,7 +363,7 @@ async def parse_chat_messages_async(
         add_special_tokens,
         budget,
     )
-    fetches = media.fetch_images_async(parsed.image_sources)
+    fetches = media.fetch_images_async(parsed.image_sources, lookup)
     rendered, images = await asyncio.gather(render, fetches, return_exceptions=True)
     for r in (rendered, images):
         if isinstance(r, BaseException):

@@ -9,7 +9,9 @@ from typing import Any
 
 from vllm.engine.arg_utils import EngineArgs
 from vllm.engine.llm_engine import LLMEngine
+from vllm.inputs import check_cache_salt
 from vllm.multimodal.image import check_image
+from vllm.multimodal.image_identity import HashedImage
 from vllm.outputs import RequestOutput
 from vllm.sampling_params import RequestOutputKind, SamplingParams
 
@@ -103,7 +105,8 @@ class LLM:
                 conv, self.get_tokenizer(), chat_template=chat_template,
                 add_generation_prompt=add_generation_prompt, chat_template_kwargs=kwargs,
                 continue_final_message=continue_final_message,
-                content_format=chat_template_content_format))
+                content_format=chat_template_content_format,
+                lookup=self.llm_engine.input_processor.image_lookup()))
         return self.generate(prompts, sampling_params, use_tqdm=use_tqdm)
 
     def _params_list(self, sampling_params: Any, n: int) -> list[SamplingParams]:
@@ -158,11 +161,16 @@ def _check_no_lora(lora_request: Any) -> None:
 def check_prompt(prompt: Any, where: str = "prompt") -> None:
     """The offline prompt forms (see ``MllamaInputProcessor.process``), checked before the
     engine sees them so that a mistake gets a message naming it: token ids must be integers
-    (1.7 is not silently truncated), ``multi_modal_data`` a dict of PIL images with pixels."""
+    (1.7 is not silently truncated), ``multi_modal_data`` a dict of PIL images with pixels,
+    ``cache_salt`` a non-empty string of bounded length."""
     if isinstance(prompt, str):
         return
     if not isinstance(prompt, dict):
         raise TypeError(f"{where} must be a string or a dict, got {type(prompt).__name__}.")
+    try:
+        check_cache_salt(prompt.get("cache_salt"))
+    except ValueError as e:
+        raise ValueError(f"{where}: {e}") from None
     for part in ("encoder_prompt", "decoder_prompt"):
         if isinstance(prompt.get(part), dict):
             check_prompt(prompt[part], f"{where}[{part!r}]")
@@ -185,5 +193,5 @@ def check_prompt(prompt: Any, where: str = "prompt") -> None:
         )
     images = mm.get("image")
     for j, img in enumerate(images if isinstance(images, (list, tuple)) else [images]):
-        if img is not None:
+        if img is not None and not isinstance(img, HashedImage):  # LLM.chat's are checked
             check_image(img, f"{where}['multi_modal_data']['image'][{j}]")

@@ -22,6 +22,11 @@ Security rules for URLs a client names (the server fetches them on the client's 
 * ``file://`` URLs work only below ``--allowed-local-media-path``; messages never show the
   resolved path (which would reveal symlink targets, the process id or the working folder).
 
+Given a request's ``lookup`` (``MllamaInputProcessor.image_lookup``), fetching hashes the bytes
+it fetched and asks the processed-image cache first (``image_identity.py``, ``image_cache.py``):
+an image the cache holds is not decoded at all, and every image leaves here as a
+``HashedImage`` carrying its digest.
+
 Every failure is a ``ValueError`` whose message can be shown to the client.
 """
 
@@ -37,13 +42,17 @@ import socket
 import time
 from collections.abc import Iterable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 from urllib.parse import unquote, urlparse
 
 import httpx
 
 from vllm import envs
+from vllm.multimodal.image_identity import EncodedImageLookup, HashedImage
 from vllm.multimodal.image_policy import HostPolicy
+
+if TYPE_CHECKING:
+    from vllm.multimodal.image_cache import ProcessedImage
 
 DEFAULT_MAX_IMAGE_BYTES: int = envs.VARIABLES["VLLM_IMAGE_FETCH_MAX_BYTES"].default
 # The server's default pixel cap: 16 Mpx (4096 x 4096) is 13x what the model sees (at most 4
@@ -55,6 +64,9 @@ DEFAULT_REQUEST_FETCH_TIMEOUT = 10.0
 # decode at 1/2, 1/4 or 1/8 scale, never below it.
 MODEL_MAX_SIDE = 2240
 MAX_REDIRECTS = 3
+# What decoding does to the pixels of encoded bytes (part of every encoded image's identity:
+# changing these rules changes the pixels, so it must change the digests too).
+DECODER_RULES = f"PIL open, JPEG draft when >= 2x {MODEL_MAX_SIDE} px, load, convert RGB"
 
 
 def max_image_pixels() -> int:
@@ -275,21 +287,38 @@ class ImageMediaConnector:
             gate = self._gates[loop] = asyncio.Semaphore(self.decode_concurrency)
         return gate
 
-    async def fetch_image_async(self, url: str) -> Any:
+    async def fetch_image_async(self, url: str, lookup: EncodedImageLookup | None = None) -> Any:
         """Fetches and decodes one image; decoding runs in a worker thread, a few at a time
-        (each holds a full-size bitmap while it runs)."""
+        (each holds a full-size bitmap while it runs). With ``lookup``, the bytes are hashed
+        first (in a worker thread, outside the decode gate) and an image found in the cache
+        is returned undecoded, as a ``HashedImage``."""
         data = await self.fetch_bytes_async(url)
+        digest = None
+        if lookup is not None:
+            digest, hit = await asyncio.to_thread(lookup.lookup_encoded, data)
+            if hit is not None:
+                return self._cached(digest, hit)
         async with self._decode_gate():
-            return await asyncio.to_thread(decode_image, data, self.max_pixels)
+            img = await asyncio.to_thread(decode_image, data, self.max_pixels)
+        return img if digest is None else HashedImage(digest, image=img)
 
-    async def fetch_images_async(self, urls: list[str]) -> list[Any]:
+    def _cached(self, digest: bytes, hit: ProcessedImage) -> HashedImage:
+        """A cache hit, held to this connector's pixel limit as a decode would be."""
+        width, height = hit.source_size
+        if width * height > self.max_pixels:
+            raise _too_many_pixels(width, height, self.max_pixels)
+        return HashedImage(digest, processed=hit)
+
+    async def fetch_images_async(
+        self, urls: list[str], lookup: EncodedImageLookup | None = None
+    ) -> list[Any]:
         """All images of one request, concurrently, within ``request_timeout`` in all; the
         first failure cancels the rest."""
         if not urls:
             return []
         try:
             async with asyncio.timeout(self.request_timeout), asyncio.TaskGroup() as tg:
-                tasks = [tg.create_task(self.fetch_image_async(u)) for u in urls]
+                tasks = [tg.create_task(self.fetch_image_async(u, lookup)) for u in urls]
         except TimeoutError:
             raise ValueError(
                 f"Timed out fetching the request's images after {self.request_timeout:g} s "
@@ -362,5 +391,12 @@ class ImageMediaConnector:
                 chunks.append(chunk)
             return None, b"".join(chunks)
 
-    def fetch_image(self, url: str) -> Any:
-        return decode_image(self.fetch_bytes(url), self.max_pixels)
+    def fetch_image(self, url: str, lookup: EncodedImageLookup | None = None) -> Any:
+        """Blocking :meth:`fetch_image_async`."""
+        data = self.fetch_bytes(url)
+        if lookup is None:
+            return decode_image(data, self.max_pixels)
+        digest, hit = lookup.lookup_encoded(data)
+        if hit is not None:
+            return self._cached(digest, hit)
+        return HashedImage(digest, image=decode_image(data, self.max_pixels))

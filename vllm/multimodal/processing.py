@@ -1,9 +1,10 @@
 """Turns a prompt (text or token ids, plus images) into what the engine schedules and runs.
 
 Images go through the checkpoint's Mllama image processor (resize to the best tile canvas, pad,
-normalise, split into tiles, pack at the maximum tile count). Which images each token sees is
-kept as runs over image indices (``cross_attention.py``), turned into vision-token ranges once
-the tile counts are known.
+normalise, split into tiles, pack at the maximum tile count), unless the processed-image cache
+(``image_cache.py``) already holds them under the image's digest (``image_identity.py``). Which
+images each token sees is kept as runs over image indices (``cross_attention.py``), turned into
+vision-token ranges once the tile counts are known.
 """
 
 from __future__ import annotations
@@ -15,11 +16,21 @@ from typing import Any
 
 import torch
 
+from vllm.inputs import check_cache_salt
 from vllm.multimodal.cross_attention import (
     ImageRun,
     count_image_tokens,
     image_runs,
     last_group,
+)
+from vllm.multimodal.image import DECODER_RULES
+from vllm.multimodal.image_cache import ProcessedImage, ProcessedImageCache
+from vllm.multimodal.image_identity import (
+    HashedImage,
+    cache_key,
+    encoded_image_digest,
+    pil_image_digest,
+    processing_fingerprint,
 )
 from vllm.transformers_utils.config import MllamaSpec
 
@@ -31,6 +42,9 @@ class ImageInputs:
     pixel_values: torch.Tensor
     aspect_ratio_ids: torch.Tensor  # [N] int64 (1-based; 0 is never used here)
     num_tiles: list[int]
+    # Per image, its identity (``image_identity.py``): SHA-256 of its encoded bytes or pixels
+    # and of the processing options. Prefix-cache and cross-KV keys are built from these.
+    digests: list[bytes] = field(default_factory=list)
 
     @property
     def num_images(self) -> int:
@@ -49,6 +63,8 @@ class ProcessedInputs:
     tokens_per_tile: int = 0
     image_token_id: int = 0
     image_token: str = "<|image|>"
+    # vLLM's request field: requests share cached KV only when their salts are equal.
+    cache_salt: str | None = None
 
     def image_token_offsets(self) -> list[int]:
         """Start of each image in the request's packed vision tokens (plus the total)."""
@@ -110,19 +126,37 @@ def _as_image_list(data: Any) -> list[Any]:
 
     images = data if isinstance(data, (list, tuple)) else [data]
     for i, img in enumerate(images):
-        if not isinstance(img, Image.Image):
+        if not isinstance(img, (Image.Image, HashedImage)):
             raise ValueError(f"multi_modal_data['image'][{i}] must be a PIL.Image.Image, "
                              f"got {type(img).__name__}")
     return list(images)
 
 
+@dataclass(frozen=True)
+class ImageLookup:
+    """The processed-image cache as one request's image fetching sees it (its salt)."""
+
+    processor: MllamaInputProcessor
+    cache_salt: str | None
+
+    def lookup_encoded(self, data: bytes) -> tuple[bytes, ProcessedImage | None]:
+        """The digest of fetched bytes, and the processed image if the cache holds it (then
+        it is neither decoded nor tiled again)."""
+        digest = encoded_image_digest(data, self.processor.fingerprint)
+        return digest, self.processor.cached_image(digest, self.cache_salt)
+
+
 class MllamaInputProcessor:
-    """Tokenises prompts, processes images and validates the pair against the model."""
+    """Tokenises prompts, processes images and validates the pair against the model.
+
+    Thread-safe: the async engine runs it in a pool of worker threads (the processed-image
+    cache has its own lock; everything else is read-only after construction)."""
 
     def __init__(self, spec: MllamaSpec, tokenizer: Any, image_processor: Any,
                  limit_images: int, max_model_len: int,
                  pixel_dtype: torch.dtype = torch.float32, pin_memory: bool = False,
-                 processor_kwargs: dict[str, Any] | None = None) -> None:
+                 processor_kwargs: dict[str, Any] | None = None,
+                 image_cache_bytes: int = 0) -> None:
         self.spec = spec
         self.tokenizer = tokenizer
         self.image_processor = image_processor
@@ -135,20 +169,64 @@ class MllamaInputProcessor:
         self.image_token = str(tokenizer.convert_ids_to_tokens(spec.image_token_id))
         # --mm-processor-kwargs (checked by EngineArgs), passed on every call.
         self.processor_kwargs = dict(processor_kwargs or {})
+        # --mm-processor-cache-gb: processed images by digest (0 bytes: off).
+        self.image_cache = ProcessedImageCache(image_cache_bytes)
+        self.fingerprint = processing_fingerprint(
+            {"class": type(image_processor).__qualname__, **image_processor.to_dict()},
+            self.processor_kwargs, spec.vision.max_num_tiles,
+            list(spec.vision.supported_aspect_ratios), str(pixel_dtype), DECODER_RULES)
 
-    def process_images(self, images: Sequence[Any]) -> ImageInputs:
-        out = self.image_processor(
-            images=[list(images)], return_tensors="pt", **self.processor_kwargs
-        )
-        num_tiles = [int(n) for n in out["num_tiles"][0]]
+    # ------------------------------------------------------------------ images
+    def image_lookup(self, cache_salt: str | None = None) -> ImageLookup:
+        """What the server's image fetching asks before decoding, for one request."""
+        return ImageLookup(self, check_cache_salt(cache_salt))
+
+    def cached_image(self, digest: bytes, cache_salt: str | None) -> ProcessedImage | None:
+        """The processed image under ``digest`` for a request salted ``cache_salt``, or None."""
+        if not self.image_cache.enabled:
+            return None
+        return self.image_cache.get(cache_key(digest, cache_salt))
+
+    def process_images(self, images: Sequence[Any],
+                       cache_salt: str | None = None) -> ImageInputs:
+        """PIL images and :class:`HashedImage` s -> the request's pixel values and identities;
+        only images the cache does not hold (under ``cache_salt``) go through the image
+        processor."""
+        digests, entries = [], []
+        for img in images:
+            if isinstance(img, HashedImage):
+                digest, entry = img.digest, img.processed
+            else:
+                digest, entry = pil_image_digest(img, self.fingerprint), None
+            if entry is None:
+                entry = self.cached_image(digest, cache_salt)
+            if entry is None:
+                entry = self._process_one(img.image if isinstance(img, HashedImage) else img)
+                if self.image_cache.enabled:
+                    self.image_cache.put(cache_key(digest, cache_salt), entry)
+            digests.append(digest)
+            entries.append(entry)
+        first = entries[0].pixel_values
+        pixels = torch.empty((len(entries), *first.shape), dtype=first.dtype,
+                             pin_memory=self.pin_memory)
+        torch.stack([e.pixel_values for e in entries], out=pixels)
+        ratio_ids = torch.tensor([e.aspect_ratio_id for e in entries], dtype=torch.long)
+        return ImageInputs(pixel_values=pixels, aspect_ratio_ids=ratio_ids,
+                           num_tiles=[e.num_tiles for e in entries], digests=digests)
+
+    def _process_one(self, image: Any) -> ProcessedImage:
+        out = self.image_processor(images=[[image]], return_tensors="pt",
+                                   **self.processor_kwargs)
         pixels = out["pixel_values"][0]
         ratio_ids = out["aspect_ratio_ids"][0].long()
         if pixels.shape[1] < self.spec.vision.max_num_tiles:  # max_image_tiles was lowered
             pixels, ratio_ids = self._to_model_tiles(pixels, ratio_ids)
-        pixels = pixels.to(self.pixel_dtype)
-        if self.pin_memory:
-            pixels = pixels.pin_memory()
-        return ImageInputs(pixel_values=pixels, aspect_ratio_ids=ratio_ids, num_tiles=num_tiles)
+        # [max_tiles, C, S, S], owning its storage (a cache entry keeps nothing else alive).
+        tiles = pixels[0].to(self.pixel_dtype).contiguous()
+        if tiles.untyped_storage().nbytes() != tiles.nbytes:
+            tiles = tiles.clone()
+        return ProcessedImage(tiles, int(ratio_ids[0]), int(out["num_tiles"][0][0]),
+                              tuple(image.size))
 
     def _to_model_tiles(
         self, pixels: torch.Tensor, ratio_ids: torch.Tensor
@@ -164,11 +242,12 @@ class MllamaInputProcessor:
         mapped = [ours.index(theirs[int(i) - 1]) + 1 for i in ratio_ids]
         return pixels, torch.tensor(mapped, dtype=torch.long)
 
+    # ------------------------------------------------------------------ prompts
     def tokenize(self, text: str) -> list[int]:
         return list(self.tokenizer(text, add_special_tokens=True)["input_ids"])
 
     def build(self, token_ids: list[int], images: Sequence[Any] | None,
-              prompt: str | None = None) -> ProcessedInputs:
+              prompt: str | None = None, cache_salt: str | None = None) -> ProcessedInputs:
         """Validates ids against images and limits; processes the images."""
         spec = self.spec
         if not token_ids:
@@ -191,7 +270,8 @@ class MllamaInputProcessor:
         if n_tokens != len(images):
             raise ValueError(f"The number of image tokens ({n_tokens}) must be the same as the "
                              f"number of images ({len(images)})")
-        image_inputs = self.process_images(images) if images else None
+        cache_salt = check_cache_salt(cache_salt)
+        image_inputs = self.process_images(images, cache_salt) if images else None
         return ProcessedInputs(
             prompt_token_ids=token_ids,
             images=image_inputs,
@@ -201,24 +281,26 @@ class MllamaInputProcessor:
             tokens_per_tile=spec.vision.tokens_per_tile,
             image_token_id=spec.image_token_id,
             image_token=self.image_token,
+            cache_salt=cache_salt,
         )
 
     def process(self, prompt: Any) -> ProcessedInputs:
         """vLLM prompt forms: a string; ``{"prompt": str}`` or ``{"prompt_token_ids": [...]}``
-        with optional ``multi_modal_data={"image": img | [img, ...]}``; or an explicit
-        ``{"encoder_prompt": ..., "decoder_prompt": ...}`` pair."""
+        with optional ``multi_modal_data={"image": img | [img, ...]}`` and ``cache_salt``; or
+        an explicit ``{"encoder_prompt": ..., "decoder_prompt": ...}`` pair."""
         if isinstance(prompt, str):
             return self.build(self.tokenize(prompt), None, prompt)
         if not isinstance(prompt, dict):
             raise TypeError(f"prompt must be a str or a dict, got {type(prompt).__name__}")
         if "encoder_prompt" in prompt or "decoder_prompt" in prompt:
             return self._process_explicit(prompt)
+        salt = check_cache_salt(prompt.get("cache_salt"))  # before any image is processed
         images = self._images_of(prompt)
         if "prompt_token_ids" in prompt:
             ids = [int(t) for t in prompt["prompt_token_ids"]]
-            return self.build(ids, images, prompt.get("prompt"))
+            return self.build(ids, images, prompt.get("prompt"), salt)
         if "prompt" in prompt:
-            return self.build(self.tokenize(prompt["prompt"]), images, prompt["prompt"])
+            return self.build(self.tokenize(prompt["prompt"]), images, prompt["prompt"], salt)
         raise ValueError("prompt dict needs 'prompt' or 'prompt_token_ids'")
 
     @staticmethod
@@ -233,10 +315,16 @@ class MllamaInputProcessor:
     def _process_explicit(self, prompt: dict[str, Any]) -> ProcessedInputs:
         """The encoder prompt supplies the images (its text may hold only image tokens); the
         decoder prompt the text. Without image tokens in the decoder prompt the images lead it,
-        exactly as the implicit prompt ``"<|image|>" * n + decoder_text`` would."""
+        exactly as the implicit prompt ``"<|image|>" * n + decoder_text`` would. A
+        ``cache_salt`` may sit in either part (or beside them); two different ones are refused."""
         enc = prompt.get("encoder_prompt") or {}
         dec = prompt.get("decoder_prompt") or ""
         enc = {"prompt": enc} if isinstance(enc, str) else enc
+        salts = {check_cache_salt(part.get("cache_salt"))
+                 for part in (prompt, enc, dec) if isinstance(part, dict)} - {None}
+        if len(salts) > 1:
+            raise ValueError("cache_salt: the encoder and decoder prompts give different salts")
+        salt = salts.pop() if salts else None
         images = self._images_of(enc)
         enc_text = enc.get("prompt", "")
         image_tok = self.image_token
@@ -246,8 +334,8 @@ class MllamaInputProcessor:
             ids = [int(t) for t in dec["prompt_token_ids"]]
             if images and count_image_tokens(ids, self.spec.image_token_id) == 0:
                 ids = [self.spec.image_token_id] * len(images) + ids
-            return self.build(ids, images)
+            return self.build(ids, images, cache_salt=salt)
         text = dec.get("prompt", "") if isinstance(dec, dict) else dec
         if images and image_tok not in text:
             text = image_tok * len(images) + text
-        return self.build(self.tokenize(text), images, text)
+        return self.build(self.tokenize(text), images, text, salt)

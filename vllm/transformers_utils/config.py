@@ -117,6 +117,8 @@ class QuantSpec:
     compute_dtype: str | None = None
     double_quant: bool = False
     quant_storage: str | None = None
+    # The whole block, for methods whose loader reads more (compressed-tensors' schemes).
+    config: dict[str, Any] = field(default_factory=dict, compare=False, repr=False)
 
 
 @dataclass(frozen=True)
@@ -269,6 +271,7 @@ def parse_quantization_config(raw: dict[str, Any]) -> QuantSpec | None:
         compute_dtype=q.get("bnb_4bit_compute_dtype"),
         double_quant=bool(q.get("bnb_4bit_use_double_quant", False)),
         quant_storage=q.get("bnb_4bit_quant_storage"),
+        config=q,
     )
 
 

@@ -17,6 +17,7 @@ from vllm.config import VllmConfig
 from vllm.forward_context import set_forward_context
 from vllm.logger import init_logger
 from vllm.model_executor.model_loader.loader import build_model, plan_quantization
+from vllm.model_executor.model_loader.quant_plan import quantized_linears
 from vllm.model_executor.models.mllama import MllamaForConditionalGeneration
 from vllm.multimodal.cross_attention import image_runs, last_group
 from vllm.multimodal.processing import ImageInputs, ProcessedInputs
@@ -101,12 +102,17 @@ def profile_prefill_peak(cfg: VllmConfig, loaded: LoadedModel) -> int:
 
 def weight_bytes(config: VllmConfig) -> int:
     """Bytes of the model's parameters and buffers in its dtype, quantized layers as they are
-    stored (built on the meta device: nothing is allocated)."""
+    stored plus their shared dequantization scratch (built on the meta device: nothing is
+    allocated)."""
     mc = config.model_config
-    plan = plan_quantization(mc.model_path, mc.load_format, mc.quantization)
+    plan = plan_quantization(mc.model_path, mc.load_format, mc.quantization, mc.spec)
     model = build_model(mc.spec, mc.dtype, torch.device("meta"), mc.max_model_len, plan.config)
     tensors = [*model.parameters(), *model.buffers()]
-    return sum(t.numel() * t.element_size() for t in tensors)
+    # Quantized layers share one dense scratch matrix (prefill), as large as the largest.
+    elem = torch.empty((), dtype=mc.dtype).element_size()
+    scratch = max((m.out_features * m.in_features for m in quantized_linears(model).values()),
+                  default=0) * elem
+    return sum(t.numel() * t.element_size() for t in tensors) + scratch
 
 
 def prefill_activation_estimate(config: VllmConfig) -> int:
@@ -129,13 +135,18 @@ def check_device_memory(config: VllmConfig, total_bytes: int) -> None:
     budget = int(total_bytes * util)
     weights = weight_bytes(config)
     dtype = str(mc.dtype).replace("torch.", "")
+    if mc.quantization is not None:
+        dtype = f"{dtype} with {mc.quantization} weights"
     if weights > budget:
+        smaller = (
+            "FP8 weights with --quantization fp8 or an FP8 checkpoint need about half of "
+            "that, 4-bit ones with --quantization bitsandbytes about a quarter; "
+            if mc.quantization is None else "")
         raise ValueError(
             f"The weights alone need {weights / GiB:.1f} GiB in {dtype}, more than the "
             f"{budget / GiB:.1f} GiB that --gpu-memory-utilization {util} allows on this GPU "
             f"({total_bytes / GiB:.1f} GiB): this model does not fit on one GPU in {dtype} "
-            "(4-bit weights with --quantization bitsandbytes need about a quarter of that; "
-            "tensor parallelism is not supported yet).")
+            f"({smaller}tensor parallelism is not supported yet).")
     activations = prefill_activation_estimate(config)
     if weights + activations > budget:
         raise ValueError(

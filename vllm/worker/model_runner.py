@@ -11,6 +11,7 @@ from __future__ import annotations
 import bisect
 import time
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -36,6 +37,7 @@ from vllm.utils import to_device
 from vllm.worker.cache_engine import CacheEngine
 from vllm.worker.cuda_graph import DecodeGraphRunner, DecodeShape
 from vllm.worker.decode_state import DecodeRows
+from vllm.worker.grammar_rows import GrammarRows, any_constrained, grammar_of
 from vllm.worker.loaded_model import LoadedModel
 from vllm.worker.prefill_inputs import (
     PrefillBatch,
@@ -111,6 +113,7 @@ class ModelRunner:
         )
         self.stats = RunnerStats()
         self.results = ResultCopier(self.device, sc.max_num_seqs)
+        self.grammar_rows = GrammarRows(sc.max_num_seqs, self.vocab_size, self.device)
         # The last decode batch's sequences and sampling inputs, while they cannot change
         # from step to step (see _decode_sampling).
         self._steady_sampling: tuple[list[Sequence], SamplingMetadata] | None = None
@@ -195,8 +198,13 @@ class ModelRunner:
         prefill_sampling = self._sampling_rows(samplers) if samplers else None
         parts: list[tuple[SamplerOutput, int]] = []
         prompt_logprobs: dict[str, PromptLogprobsOnDevice] = {}
+        deferred = None
         if decode_sampling is not None:
-            parts.append((self._decode(out, decode_sampling), len(out.decode_seqs)))
+            decoded = self._decode(out, decode_sampling)
+            if isinstance(decoded, SamplerOutput):
+                parts.append((decoded, len(out.decode_seqs)))
+            else:  # constrained rows: sampled by finish_launch (see grammar_rows.py)
+                deferred = decoded
         for work in out.encoder_work:
             self._advance_encoder(work)
         if out.chunks:
@@ -206,13 +214,40 @@ class ModelRunner:
         result = StepOutput(
             seqs=out.sample_seqs, token_ids=[], num_prompt_tokens=out.num_prefill_tokens
         )
-        handle = self.results.start(result, parts, prompt_logprobs)
+        if deferred is None:
+            handle = self.results.start(result, parts, prompt_logprobs)
+        else:
+            n_decode = len(out.decode_seqs)
+
+            def finish() -> tuple[list[tuple[SamplerOutput, int]], dict]:
+                return [(deferred(), n_decode), *parts], prompt_logprobs
+
+            handle = StepHandle(result, None, None, {}, None, finish=finish)
         self.stats.host_time_s += time.perf_counter() - start
         self.stats.steps += 1
         return handle
 
+    @torch.inference_mode()
+    def finish_launch(self, handle: StepHandle) -> None:
+        """Samples a launched step whose sampling was deferred (constrained rows), once the
+        engine has applied the previous step's tokens; nothing to do for any other step."""
+        if handle.finish is None:
+            return
+        start = time.perf_counter()
+        finish, handle.finish = handle.finish, None
+        parts, prompt_logprobs = finish()
+        started = self.results.start(handle.result, parts, prompt_logprobs)
+        handle.sampled, handle.logprobs, handle.prompt_logprobs, handle.event = (
+            started.sampled,
+            started.logprobs,
+            started.prompt_logprobs,
+            started.event,
+        )
+        self.stats.host_time_s += time.perf_counter() - start
+
     def collect(self, handle: StepHandle) -> StepOutput:
         """Waits for a launched step and returns its host results."""
+        self.finish_launch(handle)
         return self.results.collect(handle)
 
     def release(self, seq: Sequence) -> None:
@@ -223,6 +258,8 @@ class ModelRunner:
     def check_sampling(self, seqs: list[Sequence]) -> None:
         """Builds the sampling inputs of some sequences alone (raises what a step would)."""
         self._sampling_rows(seqs)
+        for s in seqs:
+            grammar_of(s)
 
     def _decode_sampling(self, seqs: list[Sequence]) -> SamplingMetadata:
         """The decode step's sampling inputs. They change from step to step only through the
@@ -246,7 +283,10 @@ class ModelRunner:
             if s.generator is None and p.seed is not None:
                 # One generator per sibling: same seed, same tokens, whatever the batch.
                 s.generator = make_generator(p.seed + s.index, self.device)
-            stop_ids = tuple(p.all_stop_token_ids) if p.min_tokens else ()
+            # A constrained sequence ends when its grammar allows nothing but a stop token:
+            # min_tokens does not suppress them there.
+            constrained = s.request.grammar is not None
+            stop_ids = tuple(p.all_stop_token_ids) if p.min_tokens and not constrained else ()
             rows.append(
                 SamplingRow(
                     p, s.request.inputs.prompt_token_ids, s.output_token_ids, s.generator, stop_ids
@@ -304,6 +344,8 @@ class ModelRunner:
         sample_seqs = [s for group in groups for s in group]
         if len(expand) != len(groups):
             logits = logits[to_device(expand, torch.int64, self.device)]
+        if any_constrained(sample_seqs):  # nothing of theirs is in flight: masks now
+            sampling.token_bitmask = self.grammar_rows.masks(sample_seqs)
         sampler_out = self.sampler(logits, sampling)
         rows = []
         for s in sample_seqs:
@@ -376,7 +418,11 @@ class ModelRunner:
                     c.progress.prompt_logprobs = []
             row += n
 
-    def _decode(self, out: SchedulerOutput, sampling: SamplingMetadata) -> SamplerOutput:
+    def _decode(
+        self, out: SchedulerOutput, sampling: SamplingMetadata
+    ) -> SamplerOutput | Callable[[], SamplerOutput]:
+        """Replays (or runs) the forward and samples; with constrained rows, returns the
+        sampling to run later instead (``finish_launch``)."""
         seqs = out.decode_seqs
         self.rows.set_pages([(s.row, len(s.block_table) - 1, p) for s, p in out.new_pages])
         max_enc = max(s.request.inputs.encoder_seq_len for s in seqs)
@@ -390,6 +436,24 @@ class ModelRunner:
             rows_t = to_device(row_ids, torch.int64, self.device)
             logits = self._eager_decode(seqs, rows_t, max_enc)
             self.stats.eager_decode_steps += 1
+        if not any_constrained(seqs):
+            sampling.token_bitmask = None
+            return self._sample_decode(logits, sampling, rows_t, greedy)
+
+        def finish() -> SamplerOutput:
+            # The graph's in-graph argmax is of unmasked logits: never used here.
+            sampling.token_bitmask = self.grammar_rows.masks(seqs)
+            return self._sample_decode(logits, sampling, rows_t, greedy)
+
+        return finish
+
+    def _sample_decode(
+        self,
+        logits: torch.Tensor,
+        sampling: SamplingMetadata,
+        rows_t: torch.Tensor,
+        greedy: torch.Tensor | None,
+    ) -> SamplerOutput:
         sampler_out = self.sampler(logits, sampling, greedy_ids=greedy)
         if greedy is None:
             self.rows.advance(rows_t, sampler_out.sampled_token_ids)

@@ -8,6 +8,7 @@ so the host schedules step N+1 while the GPU still runs step N.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -58,14 +59,19 @@ class StepOutput:
 
 @dataclass
 class StepHandle:
-    """A launched step: device results being copied to (pinned) host memory."""
+    """A launched step: device results being copied to (pinned) host memory.
+
+    A decode step with constrained rows is launched with its sampling deferred: ``finish``
+    samples it (``ModelRunner.finish_launch``) and ``sampled`` is ``None`` until then."""
 
     result: StepOutput
-    sampled: torch.Tensor  # host (pinned on CUDA) once the event has fired
+    sampled: torch.Tensor | None  # host (pinned on CUDA) once the event has fired
     # Per sampling part: its row count and its (values, ids, ranks), None if it has none.
     logprobs: list[tuple[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None]] | None
     prompt_logprobs: dict[str, tuple[torch.Tensor, torch.Tensor, torch.Tensor, list[bool]]]
     event: torch.cuda.Event | None
+    # The step's sampling parts (and prompt logprobs on the device), once sampled.
+    finish: Callable[[], tuple[list[tuple[SamplerOutput, int]], dict]] | None = None
 
 
 class ResultCopier:
@@ -163,6 +169,7 @@ class ResultCopier:
     @staticmethod
     def collect(handle: StepHandle) -> StepOutput:
         """Waits for a launched step's copies and returns its host results."""
+        assert handle.finish is None and handle.sampled is not None, "step not sampled yet"
         if handle.event is not None:
             handle.event.synchronize()
         result = handle.result

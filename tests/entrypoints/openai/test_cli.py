@@ -69,9 +69,9 @@ def test_bad_choice_is_an_argparse_error(capsys: pytest.CaptureFixture[str]) -> 
 def test_unsupported_quantization_is_a_clean_error() -> None:
     """EngineArgs' ValueError becomes SystemExit(message): printed, no traceback, exit 1."""
     with pytest.raises(SystemExit) as exc:
-        run_server(_serve_args("--host", "127.0.0.1", "--port", "0", "--quantization", "fp8"))
+        run_server(_serve_args("--host", "127.0.0.1", "--port", "0", "--quantization", "awq"))
     assert isinstance(exc.value.code, str)
-    assert "quantization='fp8' is not supported yet" in exc.value.code
+    assert "quantization='awq' is not supported;" in exc.value.code
 
 
 def test_port_in_use() -> None:

@@ -80,10 +80,10 @@ def test_bad_temperature(client: openai.OpenAI, server: RunningServer) -> None:
         ({"top_logprobs": 3}, "`logprobs` must be set to true"),
         ({"stream_options": {"include_usage": True}}, "Stream options can only be defined"),
         ({"logprobs": True, "top_logprobs": 50}, "--max-logprobs"),
-        ({"response_format": {"type": "json_object"}}, "not supported yet"),
+        ({"response_format": {"type": "xml"}}, "response_format type 'xml'"),
         (
             {"tools": [{"type": "function", "function": {"name": "f"}}], "tool_choice": "auto"},
-            "not supported yet",
+            "requires --enable-auto-tool-choice",
         ),
     ],
 )

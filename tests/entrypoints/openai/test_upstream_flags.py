@@ -261,12 +261,19 @@ def test_help_shows_the_effective_defaults(
         assert "(default: None)" not in help_of(flag), flag
 
 
-def test_tool_calling_and_guided_decoding_flags(vllm_logs: list[str]) -> None:
-    for flags in (("--enable-auto-tool-choice",), ("--tool-call-parser", "llama3_json")):
-        with pytest.raises(ValueError, match="tool calling is not supported"):
-            serve_args(*flags)
-    serve_args("--guided-decoding-backend", "xgrammar")
-    assert any("Ignoring --guided-decoding-backend xgrammar" in m for m in vllm_logs)
+def test_tool_calling_and_guided_decoding_flags() -> None:
+    with pytest.raises(ValueError, match="requires --tool-call-parser"):
+        serve_args("--enable-auto-tool-choice")
+    with pytest.raises(SystemExit):  # argparse: not one of the parsers
+        serve_args("--tool-call-parser", "hermes")
+    args = serve_args("--enable-auto-tool-choice", "--tool-call-parser", "llama3_json")
+    assert args.enable_auto_tool_choice and args.tool_call_parser == "llama3_json"
+    config = engine_args("--guided-decoding-backend", "auto").create_engine_config()
+    assert config.decoding_config.guided_decoding_backend == "xgrammar"
+    with pytest.raises(ValueError, match="guided_decoding_backend='outlines' is not available"):
+        engine_args("--guided-decoding-backend", "outlines").create_engine_config()
+    compact = engine_args("--guided-decoding-disable-any-whitespace").create_engine_config()
+    assert compact.decoding_config.disable_any_whitespace
     assert engine_args("--hf-token", "hf_abc").hf_token == "hf_abc"
 
 

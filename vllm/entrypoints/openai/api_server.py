@@ -155,6 +155,8 @@ def build_server_context(args: argparse.Namespace, engine: AsyncLLMEngine) -> Se
         max_log_len=args.max_log_len,
         limits=limits,
         max_token_chars=longest_token_chars(engine.get_tokenizer()),
+        enable_auto_tools=bool(args.enable_auto_tool_choice),
+        tool_call_parser=args.tool_call_parser,
     )
 
 

@@ -13,6 +13,7 @@ from vllm import envs
 from vllm.engine.arg_parsing import CONFIG_FLAG
 from vllm.engine.arg_utils import EngineArgs
 from vllm.engine.cli_args import resolve_model_tag
+from vllm.entrypoints.openai.tool_parsers import TOOL_CALL_PARSERS
 from vllm.logger import init_logger
 
 logger = init_logger(__name__)
@@ -203,18 +204,15 @@ def _add_upstream_only_args(g: argparse._ArgumentGroup) -> None:
     g.add_argument(
         "--enable-auto-tool-choice",
         action="store_true",
-        help="Not supported (an error): tool calling is not implemented.",
+        help="Let the model choose when to call tools (tool_choice 'auto'; needs "
+        "--tool-call-parser).",
     )
     g.add_argument(
         "--tool-call-parser",
         default=None,
-        help="Not supported (an error): tool calling is not implemented.",
-    )
-    g.add_argument(
-        "--guided-decoding-backend",
-        default=None,
-        help="Accepted with a warning: structured output is not implemented; requests "
-        "asking for it get a 400.",
+        choices=TOOL_CALL_PARSERS,
+        help="How tool calls are read from the model's output: llama3_json (the Llama 3 "
+        "JSON tool-call format).",
     )
 
 
@@ -312,17 +310,8 @@ def check_upstream_only_flags(args: argparse.Namespace) -> None:
     message that says why nothing changes (docs/compatibility.md lists them)."""
     if args.lora_modules:
         raise ValueError("--lora-modules: LoRA adapters are not supported by this engine.")
-    if args.enable_auto_tool_choice or args.tool_call_parser:
-        raise ValueError(
-            "--enable-auto-tool-choice / --tool-call-parser: tool calling is not supported by "
-            "this engine (requests with tools and tool_choice other than 'none' get a 400)."
-        )
-    if args.guided_decoding_backend:
-        logger.warning(
-            "Ignoring --guided-decoding-backend %s: structured output is not supported; "
-            "requests that ask for it get a 400.",
-            args.guided_decoding_backend,
-        )
+    if args.enable_auto_tool_choice and not args.tool_call_parser:
+        raise ValueError("--enable-auto-tool-choice requires --tool-call-parser (llama3_json).")
     if args.chat_template_content_format == "string":
         logger.warning(
             "--chat-template-content-format string is not applied by the server: this "

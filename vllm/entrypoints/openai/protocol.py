@@ -28,6 +28,7 @@ from vllm.entrypoints.openai.json_types import (
     bounded_int,
     is_token_ids,
 )
+from vllm.entrypoints.openai.protocol_guided import guided_params
 from vllm.entrypoints.openai.protocol_responses import (
     ChatCompletionLogProb,
     ChatCompletionLogProbs,
@@ -58,6 +59,8 @@ from vllm.entrypoints.openai.request_checks import (
     find_lone_surrogate,
     too_long,
 )
+from vllm.guided_params import GuidedDecodingParams
+from vllm.inputs import MAX_CACHE_SALT_CHARS
 from vllm.sampling_params import MAX_STOP_CHARS, MAX_STOP_STRINGS
 
 # The request bodies, and the response bodies of protocol_responses.py (vLLM's protocol module
@@ -121,12 +124,13 @@ SAMPLING_FIELDS = (
     "allowed_token_ids",
     "bad_words",
 )
-# Features this server rejects with a 400 when a request asks for them.
+# The request fields that ask for structured output (besides response_format).
 GUIDED_FIELDS = (
     "guided_json",
     "guided_regex",
     "guided_choice",
     "guided_grammar",
+    "guided_whitespace_pattern",
     "structured_outputs",
 )
 
@@ -218,6 +222,22 @@ class _SamplingRequest(OpenAIBaseModel):
     bad_words: list[str] | None = None
     request_id: str | None = None
     priority: Int = 0
+    # Requests share cached KV only when their salts are equal (docs/security.md).
+    cache_salt: str | None = Field(
+        default=None,
+        min_length=1,
+        max_length=MAX_CACHE_SALT_CHARS,
+        description="Prefix-cache isolation: only requests with the same salt share cached "
+        "KV (a tenant's secret keeps others from probing its cache through timing).",
+    )
+    # Structured output (protocol_guided.py turns these into GuidedDecodingParams).
+    guided_json: str | dict[str, Any] | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+    guided_decoding_backend: str | None = None
+    guided_whitespace_pattern: str | None = None
+    structured_outputs: dict[str, Any] | None = None
 
     @field_validator("logit_bias")
     @classmethod
@@ -289,16 +309,14 @@ class _SamplingRequest(OpenAIBaseModel):
 
     def unsupported_feature(self) -> str | None:
         """The name of a requested feature this server does not implement, if any."""
-        rf = self.response_format
-        if rf is not None and rf.get("type", "text") != "text":
-            return f"response_format type {rf.get('type')!r}"
         if self.use_beam_search:
             return "use_beam_search"
-        extra = self.model_extra or {}
-        for name in GUIDED_FIELDS:
-            if extra.get(name) is not None:
-                return name
         return None
+
+    def guided_decoding(self) -> GuidedDecodingParams | None:
+        """The structured-output constraint the request asks for (raises
+        ``GuidedDecodingError``, a 400, when malformed)."""
+        return guided_params(self)
 
 
 class ChatCompletionRequest(_SamplingRequest):
@@ -320,8 +338,9 @@ class ChatCompletionRequest(_SamplingRequest):
     )
     max_completion_tokens: bounded_int(ge=1) | None = None
     tools: list[dict[str, Any]] | None = None
-    tool_choice: str | dict[str, Any] | None = "none"
-    parallel_tool_calls: Bool | None = None
+    # None: "auto" with tools, "none" without (OpenAI's rule).
+    tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: Bool | None = True
     echo: Bool = False
     add_generation_prompt: Bool = True
     continue_final_message: Bool = False
@@ -351,8 +370,6 @@ class ChatCompletionRequest(_SamplingRequest):
         found = super().unsupported_feature()
         if found:
             return found
-        if self.tools and self.tool_choice not in (None, "none"):
-            return "tools / tool_choice"
         if self.echo:
             return "echo"
         if self.mm_processor_kwargs:

@@ -94,6 +94,7 @@ class DeltaMessage(BaseModel):
 
     role: str | None = None
     content: str | None = None
+    tool_calls: list[dict[str, Any]] | None = None
 
 
 class ChatCompletionResponseStreamChoice(BaseModel):

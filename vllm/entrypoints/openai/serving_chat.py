@@ -47,6 +47,14 @@ from vllm.entrypoints.openai.serving_engine import (
     truncate_prompt,
 )
 from vllm.entrypoints.openai.streaming import SSE_DONE, SSEResponse, sse_event
+from vllm.entrypoints.openai.tool_choice import (
+    ToolCallStream,
+    ToolChoiceError,
+    ToolPlan,
+    complete_message,
+    finish_reason,
+    plan_tools,
+)
 from vllm.logger import init_logger
 from vllm.outputs import RequestOutput
 from vllm.sampling_params import SamplingParams
@@ -96,7 +104,8 @@ class OpenAIServingChat(OpenAIServing):
         parsed = self._parse(request)
         ticket = self.reserve(len(parsed.image_sources))  # before images are fetched
         try:
-            prompt, params = await self._prepare(request, parsed)
+            prompt, params, plan = await self._prepare(request, parsed)
+            grammar = await self.compile_constraint(params)
             processed = await self.process(prompt)
             response_id = (
                 f"chatcmpl-{request.request_id}" if request.request_id else random_id("chatcmpl")
@@ -108,11 +117,13 @@ class OpenAIServingChat(OpenAIServing):
                 if request.add_generation_prompt
                 else str(request.messages[-1].get("role", "assistant"))
             )
-            gen = self.generate(processed, params, engine_id, ticket, request.priority)
+            gen = self.generate(processed, params, engine_id, ticket, grammar, request.priority)
             # vLLM's count: the decoder prompt plus the encoder prompt (see the docstring).
             num_prompt = len(prompt["prompt_token_ids"]) + processed.encoder_seq_len
             if request.stream:
-                body = self._stream(request, gen, response_id, model, role, params, num_prompt)
+                body = self._stream(
+                    request, gen, response_id, model, role, params, num_prompt, plan
+                )
                 return SSEResponse(body, on_close=ticket.close)
             (final,) = await self.collect_final([gen], raw_request)
         except BaseException:
@@ -122,7 +133,9 @@ class OpenAIServingChat(OpenAIServing):
         # Large logprob responses take a while to build and encode: off the event loop.
         return await asyncio.to_thread(
             lambda: JSONResponse(
-                self._response(final, response_id, model, role, params, num_prompt).model_dump()
+                self._response(
+                    final, response_id, model, role, params, num_prompt, plan
+                ).model_dump()
             )
         )
 
@@ -141,8 +154,23 @@ class OpenAIServingChat(OpenAIServing):
 
     async def _prepare(
         self, request: ChatCompletionRequest, parsed: ParsedConversation
-    ) -> tuple[dict[str, Any], SamplingParams]:
-        """Messages -> engine prompt (token ids and images) and the request's SamplingParams."""
+    ) -> tuple[dict[str, Any], SamplingParams, ToolPlan]:
+        """Messages -> engine prompt (token ids and images), the request's SamplingParams and
+        what its tools do (``tool_choice.py``)."""
+        guided = self.guided_decoding(request)
+        try:
+            plan = plan_tools(
+                request.tools,
+                request.tool_choice,
+                request.parallel_tool_calls,
+                self.ctx.enable_auto_tools and self.ctx.tool_call_parser is not None,
+                guided is not None,
+            )
+        except ToolChoiceError as e:
+            raise bad_request(str(e), "tool_choice") from None
+        template_kwargs = dict(request.chat_template_kwargs or {})
+        if plan.tools is not None:
+            template_kwargs["tools"] = plan.tools
         try:
             prompt = await parse_chat_messages_async(
                 parsed,
@@ -150,18 +178,22 @@ class OpenAIServingChat(OpenAIServing):
                 self.ctx.media,
                 chat_template=request.chat_template or self.ctx.chat_template,
                 add_generation_prompt=request.add_generation_prompt,
-                chat_template_kwargs=request.chat_template_kwargs,
+                chat_template_kwargs=template_kwargs,
                 continue_final_message=request.continue_final_message,
                 add_special_tokens=request.add_special_tokens,
                 budget=self.ctx.limits.chat_template_budget,
+                lookup=self.engine.engine.input_processor.image_lookup(request.cache_salt),
             )
         except ValueError as e:
             raise bad_request(str(e)) from None
         ids = truncate_prompt(prompt["prompt_token_ids"], request.truncate_prompt_tokens)
         prompt["prompt_token_ids"] = ids
+        if request.cache_salt is not None:
+            prompt["cache_salt"] = request.cache_salt
         max_tokens = request.requested_max_tokens()
         self.check_length(len(ids), max_tokens)
         kwargs = request.sampling_kwargs()
+        kwargs["guided_decoding"] = plan.guided or guided
         logprobs = request.requested_logprobs()
         if logprobs is not None:
             kwargs["logprobs"] = logprobs
@@ -169,7 +201,7 @@ class OpenAIServingChat(OpenAIServing):
             kwargs, max_tokens, self.ctx.max_model_len - len(ids), bool(request.stream)
         )
         self.check_logprob_entries(logprob_entries(params, len(ids)))
-        return prompt, params
+        return prompt, params, plan
 
     # ------------------------------------------------------------------ output shapes
     def _logprobs(
@@ -196,18 +228,24 @@ class OpenAIServingChat(OpenAIServing):
         role: str,
         params: SamplingParams,
         num_prompt: int,
+        plan: ToolPlan,
     ) -> ChatCompletionResponse:
         top_k = params.logprobs or 0
-        choices = [
-            ChatCompletionResponseChoice(
-                index=c.index,
-                message=ChatMessage(role=role, content=c.text),
-                logprobs=self._logprobs(c.token_ids, c.logprobs, top_k),
-                finish_reason=c.finish_reason,
-                stop_reason=c.stop_reason,
+        choices = []
+        for c in final.outputs:
+            content, calls = complete_message(plan, c.text)
+            message = ChatMessage(
+                role=role, content=content, tool_calls=[t.message_json() for t in calls]
             )
-            for c in final.outputs
-        ]
+            choices.append(
+                ChatCompletionResponseChoice(
+                    index=c.index,
+                    message=message,
+                    logprobs=self._logprobs(c.token_ids, c.logprobs, top_k),
+                    finish_reason=finish_reason(plan, c.finish_reason, bool(calls)),
+                    stop_reason=c.stop_reason,
+                )
+            )
         completion = sum(len(c.token_ids) for c in final.outputs)
         usage = UsageInfo(
             prompt_tokens=num_prompt,
@@ -231,9 +269,11 @@ class OpenAIServingChat(OpenAIServing):
         role: str,
         params: SamplingParams,
         num_prompt: int,
+        plan: ToolPlan,
     ) -> AsyncIterator[str]:
-        """SSE: a role chunk per choice, content deltas, a finish chunk per choice, the
-        optional usage chunk, then ``[DONE]``; errors after the header go in-band."""
+        """SSE: a role chunk per choice, content (or ``tool_calls``) deltas, a finish chunk
+        per choice, the optional usage chunk, then ``[DONE]``; errors after the header go
+        in-band."""
         created = int(time.time())
         opts = request.stream_options
         include_usage = bool(opts and opts.include_usage)
@@ -241,6 +281,7 @@ class OpenAIServingChat(OpenAIServing):
         n = params.n
         generated = [0] * n
         done = [False] * n
+        tools = [ToolCallStream(plan) for _ in range(n)]
 
         def usage() -> UsageInfo:
             total = sum(generated)
@@ -281,7 +322,9 @@ class OpenAIServingChat(OpenAIServing):
                         if c.finish_reason is None and not c.text and not has_logprobs:
                             continue  # tokens whose text the detokenizer still holds back
                         done[c.index] = c.finish_reason is not None
-                        delta = DeltaMessage(content=c.text) if c.text else DeltaMessage()
+                        delta = _delta(tools[c.index], c.text, done[c.index])
+                        if not (done[c.index] or has_logprobs or delta.content or delta.tool_calls):
+                            continue  # text held back while it may still be a tool call
                         yield chunk(
                             ChatCompletionResponseStreamChoice(
                                 index=c.index,
@@ -289,7 +332,9 @@ class OpenAIServingChat(OpenAIServing):
                                 logprobs=self._logprobs(
                                     c.token_ids, c.logprobs, params.logprobs or 0
                                 ),
-                                finish_reason=c.finish_reason,
+                                finish_reason=finish_reason(
+                                    plan, c.finish_reason, tools[c.index].called
+                                ),
                                 stop_reason=c.stop_reason,
                             )
                         )
@@ -298,6 +343,21 @@ class OpenAIServingChat(OpenAIServing):
         except Exception as e:
             yield sse_event(json.dumps(in_band_error(e)))
         yield SSE_DONE
+
+
+def _delta(tools: ToolCallStream, text: str, finished: bool) -> DeltaMessage:
+    """One streamed choice's delta for its new ``text``: content, tool-call deltas or both."""
+    content, calls = tools.feed(text)
+    if finished:
+        more_content, more_calls = tools.finish()
+        content = (content or "") + (more_content or "") or None
+        calls += more_calls
+    fields: dict[str, Any] = {}
+    if content:
+        fields["content"] = content
+    if calls:
+        fields["tool_calls"] = calls
+    return DeltaMessage(**fields)
 
 
 def prompt_logprobs_json(

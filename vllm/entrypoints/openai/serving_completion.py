@@ -65,6 +65,7 @@ class _Prepared:
     token_ids: list[int]
     params: SamplingParams
     processed: Any
+    grammar: Any = None  # the compiled constraint, if the request has one
 
 
 def _close_all(tickets: list[QueueTicket]) -> None:
@@ -143,7 +144,9 @@ class OpenAIServingCompletion(OpenAIServing):
             for i, (p, ticket) in enumerate(zip(prepared, tickets, strict=True)):
                 rid = f"{engine_base}-{i}"
                 self.log_request(rid, p.text, p.token_ids, p.params)
-                gens.append(self.generate(p.processed, p.params, rid, ticket, request.priority))
+                gens.append(
+                    self.generate(p.processed, p.params, rid, ticket, p.grammar, request.priority)
+                )
             if request.stream:
                 body = self._stream(request, gens, prepared, base_id, model)
                 return SSEResponse(body, on_close=lambda: _close_all(tickets))
@@ -168,6 +171,7 @@ class OpenAIServingCompletion(OpenAIServing):
         ids = truncate_prompt(ids, request.truncate_prompt_tokens)
         self.check_length(len(ids), request.max_tokens)
         kwargs = request.sampling_kwargs()
+        kwargs["guided_decoding"] = self.guided_decoding(request)
         if request.logprobs is not None:
             kwargs["logprobs"] = request.logprobs
             if request.echo:  # the echoed prompt's logprobs, with as many alternatives
@@ -178,7 +182,10 @@ class OpenAIServingCompletion(OpenAIServing):
         engine_prompt: dict[str, Any] = {"prompt_token_ids": ids}
         if text is not None:
             engine_prompt["prompt"] = text
-        return _Prepared(text, ids, params, await self.process(engine_prompt))
+        if request.cache_salt is not None:
+            engine_prompt["cache_salt"] = request.cache_salt
+        grammar = await self.compile_constraint(params)
+        return _Prepared(text, ids, params, await self.process(engine_prompt), grammar)
 
     def _echo_text(self, request: CompletionRequest, prep: _Prepared) -> str:
         """The prompt as echoed: the client's text, or its token ids decoded."""

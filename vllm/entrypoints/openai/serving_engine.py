@@ -110,6 +110,9 @@ class ServerContext:
     # The longest token's text: a prompt of more than max_model_len times this many
     # characters cannot fit, and is refused before it is tokenized.
     max_token_chars: int = 64
+    # Tool calling (--enable-auto-tool-choice, --tool-call-parser).
+    enable_auto_tools: bool = False
+    tool_call_parser: str | None = None
 
     @property
     def max_model_len(self) -> int:
@@ -320,15 +323,37 @@ class OpenAIServing:
         )
 
     # ------------------------------------------------------------------ running requests
+    @staticmethod
+    def guided_decoding(request: ChatCompletionRequest | CompletionRequest) -> Any:
+        """The request's structured-output constraint (``GuidedDecodingParams`` or None);
+        a malformed one is a 400 naming the field."""
+        try:
+            return request.guided_decoding()
+        except ValueError as e:
+            raise bad_request(str(e)) from None
+
+    async def compile_constraint(self, params: SamplingParams) -> Any:
+        """The compiled structured-output constraint of ``params`` (None without one), in a
+        worker thread and bounded in time: a constraint that cannot be compiled is a 400
+        naming the problem, before any response starts."""
+        if params.guided_decoding is None:
+            return None
+        try:
+            return await self.engine.compile_grammar(params)
+        except ValueError as e:
+            raise bad_request(str(e)) from None
+
     def generate(
         self,
         processed: Any,
         params: SamplingParams,
         request_id: str,
         ticket: QueueTicket | None = None,
+        grammar: Any = None,
         priority: int = 0,
     ) -> AsyncGenerator[RequestOutput, None]:
-        """The engine's output stream for one prompt (checked first: raises a 400)."""
+        """The engine's output stream for one prompt (checked first: raises a 400);
+        ``grammar`` is ``compile_constraint``'s."""
         policy = self.engine.config.scheduler_config.scheduling_policy
         if priority != 0 and policy != "priority":
             raise bad_request(
@@ -346,8 +371,10 @@ class OpenAIServing:
                     "token has no logit).",
                     "prompt_logprobs",
                 )
-        return self.engine.generate(None, params, request_id, processed=processed, ticket=ticket,
-                                    priority=priority)
+        return self.engine.generate(
+            None, params, request_id, processed=processed, ticket=ticket, grammar=grammar,
+            priority=priority,
+        )
 
     async def collect_final(
         self, gens: list[AsyncGenerator[RequestOutput, None]], raw_request: Request

@@ -1,11 +1,11 @@
 """Linear layers: a storage format that owns the parameters, and a kernel table chosen at load.
 
 A :class:`LinearFormat` decides how a layer's weight is stored (unquantized in the model dtype
-here; bitsandbytes 4-bit in ``quantization/bitsandbytes.py``, chosen per layer by a
-``QuantizationConfig`` when the model is built), registers the parameters with their checkpoint
-loaders, and builds the layer's kernel table for a :class:`KernelTarget`: one kernel per decode
-row bucket, then one for any row count (see ``kernel_target.py``). ``Linear.forward`` only
-indexes that table with the step's bucket.
+here; bitsandbytes 4-bit in ``quantization/bitsandbytes.py``, FP8 in ``quantization/fp8.py``,
+chosen per layer by a ``QuantizationConfig`` when the model is built), registers the
+parameters with their checkpoint loaders, and builds the layer's kernel table for a
+:class:`KernelTarget`: one kernel per decode row bucket, then one for any row count (see
+``kernel_target.py``). ``Linear.forward`` only indexes that table with the step's bucket.
 
 Fused layers (:class:`MergedLinear`) hold several checkpoint matrices stacked along the output
 dimension (q|k|v, gate|up): one matrix, one launch. ``weight_loader(param, tensor, shard_id)``
@@ -47,11 +47,19 @@ def default_weight_loader(
         param.copy_(loaded)
 
 
+FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
+
+
 def _check_plain(loaded: object) -> None:
     if not isinstance(loaded, torch.Tensor):
         raise WeightShapeError(
             f"expected a plain tensor, got {type(loaded).__name__} (a quantized matrix for a "
             "parameter that is not stored quantized)"
+        )
+    if loaded.dtype in FP8_DTYPES:
+        raise WeightShapeError(
+            f"got a {loaded.dtype} tensor for a layer that is not stored in FP8 (the "
+            "checkpoint's quantization_config ignores it, or names no FP8 scheme for it)"
         )
 
 

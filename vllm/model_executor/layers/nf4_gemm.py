@@ -5,15 +5,22 @@ element in the high nibble), one scale per block of ``blocksize`` elements of a 
 index into the dynamic table plus a second-level scale per 256 blocks with double quantization,
 a float32 scale without). Each program dequantizes its weight tile in registers (code-table
 lookup, block scale, both in float32, then one rounding to the activation dtype: the values
-``bitsandbytes.functional.dequantize_4bit`` returns) and feeds it to ``tl.dot`` with float32
-accumulation, over the whole K (no split, one launch, a fixed reduction order per config), the
-row blocks sharing a weight tile scheduled next to each other as in ``skinny_gemm.py``.
+``bitsandbytes.functional.dequantize_4bit`` returns) one scale block at a time and multiplies
+it in on the CUDA cores: a decode step's few rows against the whole weight, which is all the
+time reading and decoding the weight. The block's even elements (high nibbles) and odd ones
+(low nibbles) are multiplied separately with the matching strided columns of x, so nibbles are
+never interleaved; products are summed per lane and reduced once after the K loop. Where the
+output tiles are too few to keep the memory system busy, K is split over programs whose
+float32 partial sums a second kernel adds in split order: a fixed reduction order per config,
+as the graph contract needs. More rows than ``MAX_ROWS`` (and any row count the tuned table
+gives to it) take the scratch path: the whole matrix dequantized, then a library GEMM.
 
 A fused layer (q|k|v, gate|up) is one matrix: its shards' rows are stacked, each shard keeping
 its own second-level scales and offset; ``shard_index`` ([S, 2]: first row, first second-level
 scale) maps a row to them. The nested scale is ``table[u] * s + offset`` with the product
-rounded before the sum, as bitsandbytes computes it: kernels launch with floating-point
-contraction off (``enable_fp_fusion=False``), so no FMA merges the two.
+rounded before the sum, as bitsandbytes computes it: the dequantize kernel launches with
+floating-point contraction off (``enable_fp_fusion=False``) and the GEMM rounds that product
+with an explicit ``mul.rn``, so no FMA merges the two.
 
 ``dequantize`` writes the whole matrix (for prefill-sized inputs, which then run a library GEMM
 on it); the decode GEMM is chosen per row bucket at load (``quantization/bitsandbytes.py``).
@@ -21,18 +28,22 @@ on it); the decode GEMM is chosen per row bucket at load (``quantization/bitsand
 
 from __future__ import annotations
 
+import functools
+import json
+import re
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 import triton
 import triton.language as tl
 
 from vllm import envs
-from vllm.model_executor.layers.skinny_gemm import _dot_acc
 
 # Triton reads the flag when kernels are defined, so once at import is enough.
 _INTERPRETED = envs.TRITON_INTERPRET
+_TL_DTYPES = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}
 
 
 @dataclass(frozen=True)
@@ -128,42 +139,153 @@ def _dequant_tile(w_ptr, s_ptr, code_ptr, n2_ptr, nc_ptr, sh_ptr, off_ptr, rows,
 
 
 @triton.jit
-def _nf4_gemm_kernel(x_ptr, w_ptr, s_ptr, code_ptr, n2_ptr, nc_ptr, sh_ptr, off_ptr, y_ptr,
+def _epilogue(acc, acc_u, dt: tl.constexpr, out_dt: tl.constexpr, SILU_MUL: tl.constexpr):
+    # Rounded to the activation dtype first, like the reference (a 16-bit linear); with
+    # SILU_MUL silu(gate) * up, each rounded as the separate GEMM and ``silu_and_mul`` round.
+    if SILU_MUL:
+        g = acc.to(dt).to(tl.float32)
+        y = (g / (1.0 + tl.exp(-g)) * acc_u.to(dt).to(tl.float32)).to(out_dt)
+    else:
+        y = acc.to(dt).to(out_dt)
+    return y
+
+
+@triton.jit
+def _shard_of(sh_ptr, off_ptr, wrows, NUM_SHARDS: tl.constexpr):
+    # Per weight row: its shard's first row, first second-level scale and offset.
+    shard = tl.zeros_like(wrows)
+    for i in tl.static_range(1, NUM_SHARDS):
+        shard += (wrows >= tl.load(sh_ptr + 2 * i)).to(tl.int32)
+    return tl.load(sh_ptr + 2 * shard), tl.load(sh_ptr + 2 * shard + 1), tl.load(off_ptr + shard)
+
+
+@triton.jit
+def _mul_rn(a, b, EXACT_MUL: tl.constexpr):
+    # a * b rounded on its own: never contracted into an FMA with a later add (the nested
+    # scale is ``table[u] * s + offset`` with the product rounded first, as bitsandbytes has
+    # it). Compiled, an explicit ``mul.rn``; the interpreter never fuses.
+    if EXACT_MUL:
+        y = tl.inline_asm_elementwise("mul.rn.f32 $0, $1, $2;", "=f,f,f", [a, b],
+                                      dtype=tl.float32, is_pure=True, pack=1)
+    else:
+        y = a * b
+    return y
+
+
+@triton.jit
+def _block_product(acc, x_ptr, x_stride, rows, row_ok, w_ptr, s_ptr, code_ptr, n2_ptr, nc_ptr,
+                   wrows, wrow_ok, start, base, offset, j,
+                   K: tl.constexpr, BLOCKSIZE: tl.constexpr, NESTED: tl.constexpr,
+                   EXACT_BF16: tl.constexpr, EXACT_MUL: tl.constexpr):
+    # acc ([BLOCK_M, BLOCK_N, BLOCKSIZE / 2] partial products, reduced after the K loop) +=
+    # x[rows, block j] * W[wrows, block j], the block's weights dequantized here. The block's
+    # even elements are the high nibbles, the odd ones the low nibbles: each meets the
+    # matching strided columns of x, so nibbles are never interleaved. The 16-entry code table
+    # is one cache line: a warp's lookups into it are served at once.
+    HALF: tl.constexpr = BLOCKSIZE // 2
+    kb: tl.constexpr = K // BLOCKSIZE
+    half = tl.arange(0, HALF)
+    x_ptrs = x_ptr + rows.to(tl.int64)[:, None] * x_stride + (j * BLOCKSIZE + 2 * half)[None, :]
+    xe = tl.load(x_ptrs, mask=row_ok[:, None], other=0.0).to(tl.float32)
+    xo = tl.load(x_ptrs + 1, mask=row_ok[:, None], other=0.0).to(tl.float32)
+    wr = wrows.to(tl.int64)
+    b = tl.load(w_ptr + wr[:, None] * (K // 2) + (j * HALF + half)[None, :],
+                mask=wrow_ok[:, None], other=0).to(tl.int32)
+    hi = tl.load(code_ptr + (b >> 4))
+    lo = tl.load(code_ptr + (b & 15))
+    if NESTED:
+        u = tl.load(s_ptr + wr * kb + j, mask=wrow_ok, other=0).to(tl.int32)
+        group = base.to(tl.int64) + ((wrows - start).to(tl.int64) * kb + j) // 256
+        second = tl.load(n2_ptr + group, mask=wrow_ok, other=0.0)
+        scale = _mul_rn(tl.load(nc_ptr + u), second, EXACT_MUL) + offset
+    else:
+        scale = tl.load(s_ptr + wr * kb + j, mask=wrow_ok, other=0.0).to(tl.float32)
+    dt = x_ptr.dtype.element_ty
+    w_hi = _round_to(hi * scale[:, None], dt, EXACT_BF16).to(tl.float32)
+    w_lo = _round_to(lo * scale[:, None], dt, EXACT_BF16).to(tl.float32)
+    # Exact products (16-bit x 16-bit), float32 sums: an FMA rounds them as mul + add would.
+    acc += xe[:, None, :] * w_hi[None, :, :]
+    acc += xo[:, None, :] * w_lo[None, :, :]
+    return acc
+
+
+@triton.jit
+def _nf4_gemm_kernel(x_ptr, w_ptr, s_ptr, code_ptr, n2_ptr, nc_ptr, sh_ptr, off_ptr, y_ptr, p_ptr,
                      M, N, x_stride, y_stride,
                      K: tl.constexpr, BLOCKSIZE: tl.constexpr, NESTED: tl.constexpr,
                      NUM_SHARDS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                     BLOCK_K: tl.constexpr, DOT_F32: tl.constexpr, SILU_MUL: tl.constexpr):
+                     BLOCKS_PER_ITER: tl.constexpr, SPLIT_K: tl.constexpr,
+                     EXACT_BF16: tl.constexpr, EXACT_MUL: tl.constexpr, SILU_MUL: tl.constexpr):
     # Row blocks vary fastest: the programs dequantizing one weight tile run back to back.
-    # SILU_MUL: rows [0, N) are gate, [N, 2N) up; the epilogue is silu(gate) * up, each
-    # rounded as the separate GEMM and ``silu_and_mul`` round them.
+    # Program (m, n, s) sums the scale blocks [s * KB / SPLIT_K, (s + 1) * KB / SPLIT_K) of
+    # its tile; with SPLIT_K > 1 it writes float32 partial sums ([SPLIT_K, M, N], twice N
+    # with SILU_MUL) that ``_split_reduce_kernel`` adds in split order.
+    # SILU_MUL: weight rows [0, N) are gate, [N, 2N) up.
+    HALF: tl.constexpr = BLOCKSIZE // 2
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
+    pid_k = tl.program_id(2)
     rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     row_ok = rows < M
     col_ok = cols < N
-    x_ptrs = x_ptr + rows.to(tl.int64)[:, None] * x_stride + tl.arange(0, BLOCK_K)[None, :]
-    dt = x_ptr.dtype.element_ty
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    acc_u = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    # K is a multiple of BLOCK_K (checked by the caller): no K masks in the loop.
-    for k0 in range(0, K, BLOCK_K):
-        x = tl.load(x_ptrs, mask=row_ok[:, None], other=0.0)
-        w = _dequant_tile(w_ptr, s_ptr, code_ptr, n2_ptr, nc_ptr, sh_ptr, off_ptr, cols, col_ok,
-                          k0, K, BLOCKSIZE, NESTED, NUM_SHARDS, BLOCK_N, BLOCK_K)
-        acc = _dot_acc(acc, x, _round_to(w, dt, DOT_F32), DOT_F32)
+    start = tl.zeros_like(cols)
+    base = tl.zeros_like(cols)
+    offset = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    start_u = start
+    base_u = base
+    offset_u = offset
+    if NESTED:
+        start, base, offset = _shard_of(sh_ptr, off_ptr, cols, NUM_SHARDS)
         if SILU_MUL:
-            u = _dequant_tile(w_ptr, s_ptr, code_ptr, n2_ptr, nc_ptr, sh_ptr, off_ptr, cols + N,
-                              col_ok, k0, K, BLOCKSIZE, NESTED, NUM_SHARDS, BLOCK_N, BLOCK_K)
-            acc_u = _dot_acc(acc_u, x, _round_to(u, dt, DOT_F32), DOT_F32)
-        x_ptrs += BLOCK_K
-    if SILU_MUL:
-        g = acc.to(dt).to(tl.float32)
-        y = (g / (1.0 + tl.exp(-g)) * acc_u.to(dt).to(tl.float32)).to(y_ptr.dtype.element_ty)
+            start_u, base_u, offset_u = _shard_of(sh_ptr, off_ptr, cols + N, NUM_SHARDS)
+    acc3 = tl.zeros((BLOCK_M, BLOCK_N, HALF), dtype=tl.float32)
+    acc3_u = tl.zeros((BLOCK_M, BLOCK_N, HALF), dtype=tl.float32)
+    per_split: tl.constexpr = K // BLOCKSIZE // SPLIT_K
+    j0 = pid_k * per_split
+    for jj in range(0, per_split, BLOCKS_PER_ITER):
+        for r in tl.static_range(BLOCKS_PER_ITER):
+            j = j0 + jj + r
+            acc3 = _block_product(acc3, x_ptr, x_stride, rows, row_ok, w_ptr, s_ptr, code_ptr,
+                                  n2_ptr, nc_ptr, cols, col_ok, start, base, offset, j,
+                                  K, BLOCKSIZE, NESTED, EXACT_BF16, EXACT_MUL)
+            if SILU_MUL:
+                acc3_u = _block_product(acc3_u, x_ptr, x_stride, rows, row_ok, w_ptr, s_ptr,
+                                        code_ptr, n2_ptr, nc_ptr, cols + N, col_ok, start_u,
+                                        base_u, offset_u, j, K, BLOCKSIZE, NESTED, EXACT_BF16,
+                                        EXACT_MUL)
+    acc = tl.sum(acc3, axis=2)
+    acc_u = tl.sum(acc3_u, axis=2)
+    mask = row_ok[:, None] & col_ok[None, :]
+    if SPLIT_K == 1:
+        y = _epilogue(acc, acc_u, x_ptr.dtype.element_ty, y_ptr.dtype.element_ty, SILU_MUL)
+        tl.store(y_ptr + rows.to(tl.int64)[:, None] * y_stride + cols[None, :], y, mask=mask)
     else:
-        y = acc.to(dt).to(y_ptr.dtype.element_ty)
-    y_ptrs = y_ptr + rows.to(tl.int64)[:, None] * y_stride + cols[None, :]
-    tl.store(y_ptrs, y, mask=row_ok[:, None] & col_ok[None, :])
+        width = 2 * N if SILU_MUL else N
+        p_ptrs = p_ptr + (pid_k * M + rows.to(tl.int64))[:, None] * width + cols[None, :]
+        tl.store(p_ptrs, acc, mask=mask)
+        if SILU_MUL:
+            tl.store(p_ptrs + N, acc_u, mask=mask)
+
+
+@triton.jit
+def _split_reduce_kernel(p_ptr, y_ptr, M, N, y_stride, SPLIT_K: tl.constexpr,
+                         SILU_MUL: tl.constexpr, BLOCK: tl.constexpr, DT: tl.constexpr):
+    # y = epilogue(sum over splits, in split order, of the partial sums).
+    i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    ok = i < M * N
+    m = (i // N).to(tl.int64)
+    n = i % N
+    width = 2 * N if SILU_MUL else N
+    acc = tl.zeros((BLOCK,), dtype=tl.float32)
+    acc_u = tl.zeros((BLOCK,), dtype=tl.float32)
+    for s in tl.static_range(SPLIT_K):
+        ptrs = p_ptr + (s * M + m) * width + n
+        acc += tl.load(ptrs, mask=ok, other=0.0)
+        if SILU_MUL:
+            acc_u += tl.load(ptrs + N, mask=ok, other=0.0)
+    y = _epilogue(acc, acc_u, DT, y_ptr.dtype.element_ty, SILU_MUL)
+    tl.store(y_ptr + m * y_stride + n, y, mask=ok)
 
 
 @triton.jit
@@ -184,32 +306,88 @@ def _dequant_kernel(w_ptr, s_ptr, code_ptr, n2_ptr, nc_ptr, sh_ptr, off_ptr, out
 
 @dataclass(frozen=True)
 class Nf4Config:
-    """One launch shape of the GEMM."""
+    """One launch shape of the GEMM: row and column tile, scale blocks per loop iteration and
+    the K split (programs per tile, summed by a second kernel in split order)."""
 
     block_m: int
     block_n: int
-    block_k: int
+    blocks_per_iter: int = 1
+    split_k: int = 1
     num_warps: int = 4
     num_stages: int = 3
 
+    def fits(self, k: int, blocksize: int) -> bool:
+        """Whether K (in blocks of ``blocksize``) divides into this config's loop."""
+        return k % blocksize == 0 and (k // blocksize) % (self.split_k * self.blocks_per_iter) == 0
 
-def _block_k(k: int, preferred: int = 256) -> int:
-    """The largest power of two <= ``preferred`` dividing K (K is a multiple of 32 at least:
-    the smallest blocksize)."""
+
+MAX_ROWS = 8  # the GEMM's row tile holds BLOCK_M x BLOCK_N x blocksize / 2 float32 sums
+
+
+def heuristic_config(m: int, n: int, k: int, blocksize: int = 64) -> Nf4Config | None:
+    """The launch shape for ``m`` rows without a tuned entry, or None: dequantize into the
+    scratch matrix and run the library GEMM (more rows than the GEMM serves well)."""
+    if m > 4:
+        return None
+    block_m = 1 << (m - 1).bit_length()  # 1, 2 or 4
+    block_n = 64 if m == 1 else 32
+    tiles = -(-n // block_n)
+    blocks = k // blocksize
+    per_iter = 2 if blocks % 2 == 0 else 1
+    split = 1
+    while tiles * split < 1024 and blocks % (2 * split * per_iter) == 0 and split < 8:
+        split *= 2
+    return Nf4Config(block_m, block_n, per_iter, split)
+
+
+_TUNED_DIR = Path(__file__).with_name("nf4_configs")
+
+
+def tuned_table_path(device_name: str) -> Path:
+    """Where the tuned configs of a GPU model live (``benchmarks.kernels nf4 --table``)."""
+    return _TUNED_DIR / (re.sub(r"[^A-Za-z0-9]+", "_", device_name).strip("_") + ".json")
+
+
+@functools.cache
+def _tuned(device_name: str) -> dict[str, dict[int, Nf4Config | None]]:
+    path = tuned_table_path(device_name)
+    if not path.is_file():
+        return {}
+    raw = json.loads(path.read_text())
+    return {
+        key: {int(m): None if cfg == "scratch" else Nf4Config(**cfg) for m, cfg in rows.items()}
+        for key, rows in raw["configs"].items()
+    }
+
+
+def table_key(n: int, k: int, blocksize: int, silu: bool) -> str:
+    return f"n={n},k={k},bs={blocksize}" + (",silu" if silu else "")
+
+
+def decode_config(
+    m: int, n: int, k: int, blocksize: int = 64, silu: bool = False, device_name: str = ""
+) -> Nf4Config | None:
+    """What ``m`` rows run: the GEMM with this config, or None for the scratch path. The
+    tuned table's entry for this GPU and shape (that of the smallest tuned row count >= m)
+    where there is one, else ``heuristic_config``."""
+    rows = _tuned(device_name).get(table_key(n, k, blocksize, silu)) if device_name else None
+    tuned = sorted(r for r in rows or () if r >= m)
+    if tuned:
+        cfg = rows[tuned[0]]  # type: ignore[index]
+        if cfg is None or (cfg.fits(k, blocksize) and cfg.block_m <= MAX_ROWS):
+            return cfg
+    return heuristic_config(m, n, k, blocksize)
+
+
+def _block_k(k: int, preferred: int = 128) -> int:
+    """The dequantize kernel's tile width: the largest power of two <= ``preferred`` dividing
+    K (K is a multiple of 32 at least: the smallest blocksize)."""
     b = preferred
     while k % b:
         b //= 2
     if b < 16:
         raise ValueError(f"K={k} has no tile width (a multiple of 16 is needed)")
     return b
-
-
-def default_config(m: int, n: int, k: int) -> Nf4Config:
-    """A launch shape for an [m, k] x [n, k]^T product. (A starting point: the configs of the
-    decode buckets are to be tuned on the GPU, as the bf16 GEMM's were.)"""
-    block_m = 16 if m <= 16 else (32 if m <= 32 else 64)
-    block_n = 32 if n <= 8192 else 64
-    return Nf4Config(block_m, block_n, _block_k(k, 128 if m > 32 else 256))
 
 
 def _pointers(qw: QuantizedWeight) -> tuple[torch.Tensor, ...]:
@@ -236,7 +414,7 @@ def dequantize(qw: QuantizedWeight, out: torch.Tensor, block_n: int = 32) -> tor
     the values ``bitsandbytes.functional.dequantize_4bit`` gives, bitwise."""
     n, k = qw.shape
     assert out.shape == (n, k) and out.stride(1) == 1
-    bk = min(_block_k(k), 128)
+    bk = _block_k(k)
     grid = (triton.cdiv(n, block_n), k // bk)
     _dequant_kernel[grid](
         *_pointers(qw),
@@ -292,33 +470,34 @@ def _launch(
     k = qw.shape[1]
     if x.dim() != 2 or x.shape[1] != k or x.stride(1) != 1:
         raise ValueError(f"input of shape {tuple(x.shape)} for a weight of {qw.shape}")
-    cfg = config or default_config(m, n, k)
-    if k % cfg.block_k:
-        raise ValueError(f"K={k} is not a multiple of block_k={cfg.block_k}")
+    cfg = config or heuristic_config(min(m, 4), n, k, qw.blocksize)
+    assert cfg is not None
+    if not cfg.fits(k, qw.blocksize):
+        raise ValueError(f"K={k} in blocks of {qw.blocksize} does not divide into {cfg}")
     y = out if out is not None else torch.empty((m, n), dtype=x.dtype, device=x.device)
     assert y.shape == (m, n) and y.stride(1) == 1
-    grid = (triton.cdiv(m, cfg.block_m), triton.cdiv(n, cfg.block_n))
+    partial = y  # unused without a K split
+    if cfg.split_k > 1:
+        width = 2 * n if silu_mul else n
+        partial = torch.empty((cfg.split_k, m, width), dtype=torch.float32, device=x.device)
+    if cfg.block_m > MAX_ROWS:
+        raise ValueError(f"{cfg}: at most {MAX_ROWS} rows a tile")
+    grid = (triton.cdiv(m, cfg.block_m), triton.cdiv(n, cfg.block_n), cfg.split_k)
     _nf4_gemm_kernel[grid](
-        x,
-        *_pointers(qw),
-        y,
-        m,
-        n,
-        x.stride(0),
-        y.stride(0),
-        K=k,
-        BLOCKSIZE=qw.blocksize,
-        NESTED=qw.nested,
-        NUM_SHARDS=_num_shards(qw),
-        BLOCK_M=cfg.block_m,
-        BLOCK_N=cfg.block_n,
-        BLOCK_K=cfg.block_k,
-        DOT_F32=_INTERPRETED or x.dtype == torch.float32,
-        SILU_MUL=silu_mul,
-        num_warps=cfg.num_warps,
-        num_stages=cfg.num_stages,
-        enable_fp_fusion=False,
-    )
+        x, *_pointers(qw), y, partial,
+        m, n, x.stride(0), y.stride(0),
+        K=k, BLOCKSIZE=qw.blocksize, NESTED=qw.nested, NUM_SHARDS=_num_shards(qw),
+        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCKS_PER_ITER=cfg.blocks_per_iter,
+        SPLIT_K=cfg.split_k, EXACT_BF16=_INTERPRETED, EXACT_MUL=not _INTERPRETED,
+        SILU_MUL=silu_mul, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )  # fmt: skip
+    if cfg.split_k > 1:
+        block = 1024
+        _split_reduce_kernel[(triton.cdiv(m * n, block),)](
+            partial, y, m, n, y.stride(0),
+            SPLIT_K=cfg.split_k, SILU_MUL=silu_mul, BLOCK=block,
+            DT=_TL_DTYPES[x.dtype], num_warps=4,
+        )  # fmt: skip
     return y
 
 

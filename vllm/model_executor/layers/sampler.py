@@ -4,13 +4,15 @@ The host describes each row once per step (``SamplingRow``); ``SamplingMetadata.
 the batch into device tensors and host flags, and ``Sampler.forward`` uses only those: it never
 synchronises with the host, so sampling overlaps the next step's scheduling.
 
-Order of operations (vLLM's): allowed_token_ids / logit_bias, min_tokens suppression,
+Order of operations (vLLM's): the grammar's token bitmask (structured output: disallowed
+tokens to ``-inf``), allowed_token_ids / logit_bias, min_tokens suppression,
 repetition / frequency / presence penalties, then temperature, top-k, top-p, min-p, draw.
 Greedy rows take ``argmax`` of the penalised logits (lowest index on ties).
 
-Logprobs are ``log_softmax`` of the logits **after** logit_bias / allowed_token_ids / min_tokens
-and penalties but **before** temperature, top-k, top-p and min-p (the model's distribution as
-steered by the request, not the truncated sampling distribution). Without penalties or logit
+Logprobs are ``log_softmax`` of the logits **after** the grammar mask, logit_bias /
+allowed_token_ids / min_tokens and penalties but **before** temperature, top-k, top-p and
+min-p (the model's distribution as steered by the request, not the truncated sampling
+distribution; under a constraint, the masked distribution, as upstream). Without penalties or logit
 edits they are the raw ``log_softmax`` of the model's logits.
 """
 
@@ -22,6 +24,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
+from vllm.model_executor.guided_decoding.matcher import apply_token_bitmask
 from vllm.model_executor.layers import sampling_utils as ops
 from vllm.sampling_params import SamplingParams, SamplingType
 
@@ -67,6 +70,9 @@ class SamplingMetadata:
     allowed_rows: torch.Tensor | None = None  # [R] int64 rows with allowed_token_ids
     disallowed_mask: torch.Tensor | None = None  # [R, V] bool: True = not allowed
     min_tokens_index: torch.Tensor | None = None  # [M] int64 flat indices to set to -inf
+    # [N, ceil(V / 32)] int32 grammar masks (all ones for rows without a constraint); set by
+    # the runner per step (``guided_decoding.matcher.TokenBitmask``), None: no constraint.
+    token_bitmask: torch.Tensor | None = None
 
     @property
     def any_penalties(self) -> bool:
@@ -79,6 +85,7 @@ class SamplingMetadata:
             or self.bias_index is not None
             or self.allowed_rows is not None
             or self.min_tokens_index is not None
+            or self.token_bitmask is not None
         )
 
     @classmethod
@@ -238,9 +245,12 @@ class Sampler(nn.Module):
 
     @staticmethod
     def _edit_logits(logits: torch.Tensor, md: SamplingMetadata) -> torch.Tensor:
-        """allowed_token_ids, logit_bias, min_tokens, penalties; returns a new tensor."""
+        """The grammar mask, allowed_token_ids, logit_bias, min_tokens, penalties; returns a
+        new tensor."""
         logits = logits.clone(memory_format=torch.contiguous_format)
         flat = logits.view(-1)
+        if md.token_bitmask is not None:
+            apply_token_bitmask(logits, md.token_bitmask)
         if md.allowed_rows is not None and md.disallowed_mask is not None:
             masked = logits.index_select(0, md.allowed_rows).masked_fill_(
                 md.disallowed_mask, float("-inf")

@@ -12,43 +12,26 @@ tensors is then regrouped into one :class:`Packed4bit` per quantized matrix.
 
 from __future__ import annotations
 
-import math
-import zlib
-from collections.abc import Iterable, Iterator
-from dataclasses import dataclass, field
+import functools
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
-from torch import nn
 
-from vllm.model_executor.layers.linear import Linear
-from vllm.model_executor.layers.quantization.bitsandbytes import (
-    BitsAndBytesConfig,
-    Bnb4bitFormat,
-)
+from vllm.model_executor.layers.quantization.bitsandbytes import BitsAndBytesConfig
 from vllm.model_executor.layers.quantization.bnb_codec import (
     Packed4bit,
     QuantState4bit,
     code_table,
     parse_quant_state,
 )
+from vllm.model_executor.model_loader.quant_plan import QuantPlan, Weights
 from vllm.model_executor.models.mllama_weights import WeightLoadError, linear_entry
 
 QUANT_STATE = ".quant_state.bitsandbytes__"
 # A quantized matrix's entries besides its packed ``X.weight`` (suffixes of ``X.weight``).
 _PARTS = (".absmax", ".quant_map", ".nested_absmax", ".nested_quant_map")
 _NESTED_PARTS = (".nested_absmax", ".nested_quant_map")
-
-Weights = Iterable[tuple[str, torch.Tensor, str]]
-
-
-@dataclass
-class QuantPlan:
-    """How a model's weights are quantized: its config (None: unquantized) and, for a
-    pre-quantized checkpoint, every quantized weight's state by checkpoint name."""
-
-    config: BitsAndBytesConfig | None = None
-    states: dict[str, QuantState4bit] = field(default_factory=dict)
 
 
 def scan_quant_states(files: list[Path]) -> dict[str, QuantState4bit]:
@@ -92,7 +75,12 @@ def quantization_plan(files: list[Path] | None, quantization: str | None) -> Qua
         raise ValueError(f"quantization {quantization!r} is not supported (bitsandbytes)")
     states = scan_quant_states(files) if files else {}
     if states:
-        return QuantPlan(prequantized_config(states), states)
+        config = prequantized_config(states)
+        return QuantPlan(
+            config,
+            stream=functools.partial(group_quantized, states=states),
+            check=functools.partial(check_claimed, config),
+        )
     return QuantPlan(BitsAndBytesConfig())
 
 
@@ -179,32 +167,3 @@ def group_quantized(
 def _required(state: QuantState4bit) -> set[str]:
     parts = {"", "quant_state", ".absmax", ".quant_map"}
     return parts | set(_NESTED_PARTS) if state.nested else parts
-
-
-@torch.no_grad()
-def initialize_dummy_4bit(model: nn.Module, seed: int = 0) -> None:
-    """Random 4-bit weights: each checkpoint matrix of a 4-bit layer drawn like the bf16 dummy
-    weights (normal, std 1 / sqrt(fan-in), on the device), then quantized as at load."""
-    for name, module in model.named_modules():
-        if not (isinstance(module, Linear) and isinstance(module.fmt, Bnb4bitFormat)):
-            continue
-        device, dtype, k = module.weight.device, module.compute_dtype, module.in_features
-        spans = list(module.shards.items()) or [(None, (0, module.out_features))]
-        for shard, (_, rows) in spans:
-            seed_i = seed * 1_000_003 + zlib.crc32(f"{name}.weight:{shard}".encode())
-            gen = torch.Generator(device=device).manual_seed(seed_i)
-            w = torch.empty(rows, k, device=device, dtype=dtype)
-            w.normal_(0.0, 1.0 / math.sqrt(k), generator=gen)
-            module.weight.weight_loader(module.weight, w, shard)  # type: ignore[attr-defined]
-
-
-def weight_memory(model: nn.Module) -> tuple[int, int, int]:
-    """(bytes of the 4-bit layers' stored tensors, their count, bytes of everything else), as
-    stored: parameters and persistent buffers."""
-    quantized = count = 0
-    for module in model.modules():
-        if isinstance(module, Linear) and isinstance(module.fmt, Bnb4bitFormat):
-            quantized += sum(t.numel() * t.element_size() for t in module.state_dict().values())
-            count += 1
-    total = sum(t.numel() * t.element_size() for t in model.state_dict().values())
-    return quantized, count, total - quantized

@@ -1,9 +1,10 @@
 """Builds the model on its device and fills it from safetensors shards or with dummy weights.
 
 Shards stream one tensor at a time (read to host, copied into its final, possibly fused,
-parameter), so loading never holds a second copy of the model. With bitsandbytes quantization
-(``bitsandbytes_loader.py``) a pre-quantized checkpoint's matrices load as they are stored, and
-a bf16 checkpoint's are quantized one tensor at a time as they stream.
+parameter), so loading never holds a second copy of the model. Quantized checkpoints
+(bitsandbytes 4-bit, ``bitsandbytes_loader.py``; compressed-tensors FP8, ``fp8_loader.py``)
+load their matrices as they are stored; with ``--quantization bitsandbytes`` or ``fp8`` a
+bf16 checkpoint's are quantized one tensor at a time as they stream.
 """
 
 from __future__ import annotations
@@ -19,12 +20,12 @@ from torch import nn
 
 from vllm.logger import init_logger
 from vllm.model_executor.layers.quantization import QuantizationConfig
-from vllm.model_executor.model_loader.bitsandbytes_loader import (
+from vllm.model_executor.model_loader.bitsandbytes_loader import quantization_plan
+from vllm.model_executor.model_loader.fp8_loader import fp8_plan
+from vllm.model_executor.model_loader.quant_plan import (
     QuantPlan,
-    check_claimed,
-    group_quantized,
-    initialize_dummy_4bit,
-    quantization_plan,
+    initialize_dummy_quantized,
+    quantized_linears,
     weight_memory,
 )
 from vllm.model_executor.models.mllama import MllamaForConditionalGeneration
@@ -88,8 +89,9 @@ def initialize_dummy_weights(model: nn.Module, seed: int = 0) -> None:
     """Random weights for performance work: scaled normal matrices, norms near 1, non-zero
     gates (so images influence the text), deterministic for a seed on a given device."""
     gen = torch.Generator(device="cpu").manual_seed(seed)
+    quantized = {f"{n}.weight" for n in quantized_linears(model)}
     for name, p in model.named_parameters():
-        if not p.is_floating_point():  # 4-bit weights: ``initialize_dummy_4bit``
+        if name in quantized:  # drawn dense and quantized: ``initialize_dummy_quantized``
             continue
         last = name.rsplit(".", 1)[-1]
         if last.endswith("gate") or last in ("gate_attn", "gate_ffn"):
@@ -125,10 +127,14 @@ def build_model(spec: MllamaSpec, dtype: torch.dtype, device: torch.device,
     return model.eval()
 
 
-def plan_quantization(model_dir: Path | None, load_format: str,
-                      quantization: str | None) -> QuantPlan:
-    """The layers' quantization for a load (reads only the checkpoint's quant states)."""
-    if quantization is None or load_format == "dummy":
+def plan_quantization(model_dir: Path | None, load_format: str, quantization: str | None,
+                      spec: MllamaSpec) -> QuantPlan:
+    """The layers' quantization for a load (reads only config.json and, for bitsandbytes, the
+    checkpoint's quant states)."""
+    dummy = load_format == "dummy"
+    if quantization in ("fp8", "compressed-tensors"):
+        return fp8_plan(quantization, spec.quantization, dummy)
+    if quantization is None or dummy:
         return quantization_plan(None, quantization)
     assert model_dir is not None
     return quantization_plan(safetensors_files(model_dir), quantization)
@@ -138,26 +144,25 @@ def get_model(spec: MllamaSpec, model_dir: Path | None, load_format: str, dtype:
               device: torch.device, max_position: int, seed: int = 0,
               quantization: str | None = None) -> MllamaForConditionalGeneration:
     """Constructs the model directly on ``device`` in ``dtype`` and loads its weights.
-    ``quantization``: None or ``bitsandbytes`` (resolved from the flags and config.json)."""
+    ``quantization``: None, ``bitsandbytes``, ``compressed-tensors`` or ``fp8`` (resolved from
+    the flags and config.json)."""
     if load_format not in LOAD_FORMATS:
         raise ValueError(f"load_format must be one of {LOAD_FORMATS}, got {load_format!r}")
     if load_format == "bitsandbytes" and quantization != "bitsandbytes":
         raise ValueError("load_format='bitsandbytes' needs quantization='bitsandbytes'")
-    plan = plan_quantization(model_dir, load_format, quantization)
+    plan = plan_quantization(model_dir, load_format, quantization, spec)
     model = build_model(spec, dtype, device, max_position, plan.config)
-    if plan.config is not None:
-        check_claimed(plan.config)
+    plan.check_built()
     if load_format == "dummy":
         initialize_dummy_weights(model, seed)
-        initialize_dummy_4bit(model, seed)
+        initialize_dummy_quantized(model, seed)
         logger.info("Initialised dummy weights (seed %d)", seed)
     else:
         assert model_dir is not None
         files = safetensors_files(model_dir)
         weights = iterate_safetensors(files)
         with torch.no_grad():
-            load_weights(model, group_quantized(weights, plan.states) if plan.states else weights,
-                         source=str(model_dir))
+            load_weights(model, plan.weights(weights), source=str(model_dir))
         logger.info("Loaded %d safetensors file(s) from %s", len(files), model_dir)
     model.post_load()
     _log_weight_memory(model, plan, dtype)
@@ -169,12 +174,12 @@ def _size(nbytes: int) -> str:
 
 
 def _log_weight_memory(model: nn.Module, plan: QuantPlan, dtype: torch.dtype) -> None:
-    """The weights' memory as stored (4-bit layers with their block scales)."""
+    """The weights' memory as stored (quantized layers with their scales)."""
     quantized, layers, rest = weight_memory(model)
     name = str(dtype).removeprefix("torch.")
     if plan.config is None:
         logger.info("Model weights: %s in %s", _size(rest), name)
         return
-    logger.info("Model weights: %s (%s: %s in %d linear layers, block scales included; %s "
+    logger.info("Model weights: %s (%s: %s in %d linear layers, scales included; %s "
                 "in %s)", _size(quantized + rest), plan.config.describe(), _size(quantized),
                 layers, _size(rest), name)

@@ -62,12 +62,34 @@ def linear_entry(name: str) -> tuple[str, str | None]:
     return param.removesuffix(".weight"), shard
 
 
+def checkpoint_modules(prefix: str, shard: str | None) -> tuple[str, str]:
+    """The checkpoint module a layer's shard comes from, as (hub name, transformers-5 name):
+    ``(language_model.model.layers.0.self_attn.qkv_proj, "k")`` ->
+    ``(language_model.model.layers.0.self_attn.k_proj,
+    model.language_model.layers.0.self_attn.k_proj)``."""
+    dotted = prefix + "."
+    if shard is not None:
+        for src, dst, sid in _FUSED:
+            if sid == shard and dst in dotted:
+                dotted = dotted.replace(dst, src)
+                break
+    v5 = dotted
+    for v5_prefix, hub in _V5_PREFIXES:
+        if dotted.startswith(hub):
+            v5 = v5_prefix + dotted[len(hub):]
+            break
+    return dotted[:-1], v5[:-1]
+
+
 def expected_checkpoint_entries(model: nn.Module) -> set[tuple[str, str | None]]:
-    """Every (parameter, shard) pair a complete checkpoint must provide."""
+    """Every (parameter, shard) pair a complete checkpoint must provide (a fused layer's
+    parameters with a loader, its weight and any scales, come one tensor per shard)."""
     fused_owner = {}
     for mod_name, mod in model.named_modules():
         if isinstance(mod, MergedLinear):
-            fused_owner[f"{mod_name}.weight"] = tuple(mod.shards)
+            for p_name, p in mod.named_parameters(recurse=False):
+                if hasattr(p, "weight_loader"):
+                    fused_owner[f"{mod_name}.{p_name}"] = tuple(mod.shards)
     entries: set[tuple[str, str | None]] = set()
     for name, _ in model.named_parameters():
         shards = fused_owner.get(name)

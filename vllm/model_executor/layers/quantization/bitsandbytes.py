@@ -9,10 +9,11 @@ second-level scales start. A fused layer (q|k|v, gate|up, cross k|v) is one such
 checkpoint matrices' packed rows stacked, their scales concatenated. Nothing is expanded at
 load, so a decode step reads the checkpoint's bytes.
 
-Kernel tables: with the fused kernels, the decode row buckets run the Triton GEMM that
-dequantizes in registers (``nf4_gemm.py``; gate|up also with the SiLU-and-multiply epilogue);
-any other row count (prefill, the vision tower) dequantizes the weight into a scratch matrix
-shared by all layers of the model and runs ``F.linear`` on it. Without them (the CPU torch
+Kernel tables: with the fused kernels, the small decode row buckets run the Triton GEMM that
+dequantizes in registers (``nf4_gemm.py``; gate|up also with the SiLU-and-multiply epilogue)
+where the tuned table (or the heuristic) gives them to it; every other row count (larger
+buckets, prefill, the vision tower) dequantizes the weight into a scratch matrix shared by all
+layers of the model and runs ``F.linear`` on it. Without them (the CPU torch
 path) every entry dequantizes with torch (``bnb_codec``) and runs ``F.linear``.
 """
 
@@ -36,13 +37,18 @@ from vllm.model_executor.layers.linear import (
     UnquantizedFormat,
     WeightShapeError,
 )
-from vllm.model_executor.layers.quantization import QuantizationConfig
+from vllm.model_executor.layers.quantization import (
+    DequantScratch,
+    QuantizationConfig,
+    QuantizationError,
+)
 from vllm.model_executor.layers.quantization.bnb_codec import (
     NESTED_BLOCKSIZE,
     Packed4bit,
     QuantState4bit,
     code_table,
     dequantize_codes,
+    device_code,
     nested_scales,
     quantize_4bit,
 )
@@ -51,10 +57,6 @@ if TYPE_CHECKING:  # Triton is imported only where the fused kernels are chosen
     from vllm.model_executor.layers.nf4_gemm import QuantizedWeight
 
 _DTYPES = (torch.bfloat16, torch.float16, torch.float32)
-
-
-class QuantizationError(ValueError):
-    """A checkpoint's quantization cannot be served as it is (names the layer at fault)."""
 
 
 @dataclass(frozen=True)
@@ -78,23 +80,6 @@ class _Shard:
     rows: int
     group: int  # first second-level scale
     groups: int
-
-
-class DequantScratch:
-    """One matrix buffer per (device, dtype) shared by every 4-bit layer of a model: prefill-
-    sized inputs dequantize their weight into it, then run a library GEMM. Sized at load (when
-    kernels are chosen) for the largest layer, so nothing is allocated per step."""
-
-    def __init__(self) -> None:
-        self._buffers: dict[tuple[torch.device, torch.dtype], torch.Tensor] = {}
-
-    def reserve(self, numel: int, device: torch.device, dtype: torch.dtype) -> None:
-        buf = self._buffers.get((device, dtype))
-        if buf is None or buf.numel() < numel:
-            self._buffers[(device, dtype)] = torch.empty(numel, dtype=dtype, device=device)
-
-    def matrix(self, n: int, k: int, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
-        return self._buffers[(device, dtype)][: n * k].view(n, k)
 
 
 class Bnb4bitFormat(LinearFormat):
@@ -252,7 +237,7 @@ class Bnb4bitFormat(LinearFormat):
         return dequantize_codes(
             layer.weight,
             self.block_scales(layer),
-            layer.quant_code,
+            device_code(layer.quant_code, self.spec.quant_type),
             self.spec.blocksize,
             shape,
             dtype,
@@ -271,7 +256,11 @@ class Bnb4bitFormat(LinearFormat):
                 shard_offsets=layer.shard_offsets,
             )
         return QuantizedWeight(
-            layer.weight, layer.absmax, layer.quant_code, self.spec.blocksize, **nested
+            layer.weight,
+            layer.absmax,
+            device_code(layer.quant_code, self.spec.quant_type),
+            self.spec.blocksize,
+            **nested,
         )
 
     # ------------------------------------------------------------------ kernels
@@ -311,11 +300,11 @@ class Bnb4bitFormat(LinearFormat):
         any_rows = self._scratch_kernel(layer, qw)
         if not self._fused_gemm(layer, target):
             return [any_rows] * count
-        n, k = layer.out_features, layer.in_features
-        decode = [
-            nf4_gemm.linear_kernel(qw, nf4_gemm.default_config(rows, n, k))
-            for rows in target.row_buckets
-        ]
+        n, k, gpu = layer.out_features, layer.in_features, _device_name(target)
+        decode = []
+        for rows in target.row_buckets:
+            cfg = nf4_gemm.decode_config(rows, n, k, qw.blocksize, device_name=gpu)
+            decode.append(any_rows if cfg is None else nf4_gemm.linear_kernel(qw, cfg))
         return [*decode, any_rows]
 
     def build_silu_kernels(self, layer: Linear, target: KernelTarget) -> list[SiluKernel | None]:
@@ -325,10 +314,18 @@ class Bnb4bitFormat(LinearFormat):
         from vllm.model_executor.layers import nf4_gemm
 
         qw = self.quantized_weight(layer)
-        n, k = layer.out_features // 2, layer.in_features
+        n, k, gpu = layer.out_features // 2, layer.in_features, _device_name(target)
         for i, rows in enumerate(target.row_buckets):
-            table[i] = nf4_gemm.silu_kernel(qw, nf4_gemm.default_config(rows, n, k))
+            cfg = nf4_gemm.decode_config(rows, n, k, qw.blocksize, silu=True, device_name=gpu)
+            table[i] = None if cfg is None else nf4_gemm.silu_kernel(qw, cfg)
         return table
+
+
+def _device_name(target: KernelTarget) -> str:
+    """The GPU model whose tuned GEMM configs apply ("" off CUDA: the heuristic)."""
+    if target.device.type != "cuda":
+        return ""
+    return torch.cuda.get_device_name(target.device)
 
 
 class BitsAndBytesConfig(QuantizationConfig):

@@ -46,7 +46,8 @@ NF4_CODE = (
 )
 # FP4 (1 sign, 2 exponent, 1 mantissa bits, exponent bias 2) in bit-pattern order, the sign bit
 # last; the table is these divided by their largest magnitude (12) in float32. Index 8 (the
-# negative zero pattern) holds +0.0 as bitsandbytes' table does.
+# negative zero pattern) holds +0.0 as bitsandbytes' table and CPU path do; its CUDA kernel
+# multiplies the magnitude by the sign and so yields -0.0 there (``device_code``).
 _FP4_VALUES = (0.0, 0.0625, 8.0, 12.0, 4.0, 6.0, 2.0, 3.0)
 # The 8-bit quantizer of the nested scales looks values up on a uniform grid of this many points
 # over [-1, 1] (bitsandbytes' CPU quantizer does; the index arithmetic below follows it).
@@ -62,6 +63,16 @@ def code_table(quant_type: str, device: torch.device | str | None = None) -> tor
         table = torch.tensor(values, dtype=torch.float32, device=device)
         return table / table.abs().max()
     raise ValueError(f"unknown 4-bit quant_type {quant_type!r} (nf4 or fp4)")
+
+
+def device_code(code: torch.Tensor, quant_type: str) -> torch.Tensor:
+    """The 16 values as bitsandbytes dequantizes them on ``code``'s device: on CUDA the FP4
+    negative-zero pattern gives -0.0 (equal values, other bits), elsewhere the table as is."""
+    if quant_type != "fp4" or code.device.type != "cuda":
+        return code
+    out = code.clone()
+    out[8] = -0.0
+    return out
 
 
 def dynamic_map(device: torch.device | str | None = None) -> torch.Tensor:

@@ -1,0 +1,395 @@
+"""Triton weight-only GEMM on FP8 weights with per-output-channel scales: y = (x @ W^T) * s.
+
+The weight stays as the checkpoint stores it, float8_e4m3fn [N, K], with one float32 scale per
+output row (a per-tensor checkpoint scale is repeated over its rows at load). Each program
+converts its weight tile in registers (exact: every e4m3 value is a bf16, an fp16 and an fp32
+value) and multiplies it with the activations, summing in float32; the channel scale multiplies
+the float32 sum in the epilogue, and the product is rounded once to the activation dtype.
+Activations are never quantized. Tiles of at most ``MAX_CUDA_CORE_ROWS`` rows (the small decode
+buckets: the whole time is reading the weight) multiply on the CUDA cores, products summed per
+lane and reduced once after the K loop; wider tiles feed ``tl.dot`` on the tensor cores. Where
+the output tiles are too few to keep the memory system busy, K is split over programs whose
+float32 partial sums a second kernel adds in split order: a fixed reduction order per config,
+as the graph contract needs. Row blocks sharing a weight tile run next to each other, as in
+``skinny_gemm.py``.
+
+The epilogue scale is the exact product of the weight and its scale; the reference
+(compressed-tensors' decompression, ``quantization/fp8.py``) first rounds every weight to the
+scale's dtype. The two differ by at most half an ulp of that dtype per weight, and decode
+results are compared with the reference by ``check_logprobs_close``, as for any other kernel.
+
+``dequantize`` writes the whole matrix with the reference's rounding (for prefill-sized inputs,
+which then run a library GEMM on it, bitwise the torch path); the decode GEMM is chosen per row
+bucket at load (``quantization/fp8.py``): a GPU model's tuned table (``fp8_configs/``, written
+by ``benchmarks/kernels/fp8.py --sweep --table``) gives each shape and row count its config or
+the scratch path where it measured faster, ``default_config`` the rest.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import re
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import triton
+import triton.language as tl
+
+from vllm import envs
+from vllm.model_executor.layers.nf4_gemm import _round_to
+from vllm.model_executor.layers.skinny_gemm import _dot_acc
+
+# Triton reads the flag when kernels are defined, so once at import is enough.
+_INTERPRETED = envs.TRITON_INTERPRET
+
+
+# Kernel signatures and calls stay one argument group a line, as in skinny_gemm.py.
+# fmt: off
+@triton.jit
+def _scaled_epilogue(acc, acc_u, scale, scale_u, dt: tl.constexpr, out_dt: tl.constexpr,
+                     SILU_MUL: tl.constexpr):
+    # The channel scale on the float32 sums, rounded to the activation dtype as a 16-bit
+    # linear's output is; with SILU_MUL silu(gate) * up, each rounded as the separate GEMM and
+    # ``silu_and_mul`` round them.
+    g = (acc * scale[None, :]).to(dt).to(tl.float32)
+    if SILU_MUL:
+        up = (acc_u * scale_u[None, :]).to(dt).to(tl.float32)
+        y = (g / (1.0 + tl.exp(-g)) * up).to(out_dt)
+    else:
+        y = g.to(out_dt)
+    return y
+
+
+@triton.jit
+def _finish(acc, acc_u, s_ptr, y_ptr, p_ptr, rows, cols, row_ok, col_ok, M, N, y_stride, pid_k,
+            dt: tl.constexpr, SPLIT_K: tl.constexpr, SILU_MUL: tl.constexpr):
+    # Without a K split: the epilogue and the output. With one: the unscaled float32 partial
+    # sums ([SPLIT_K, M, N], twice N with SILU_MUL) for ``_split_reduce_kernel``.
+    mask = row_ok[:, None] & col_ok[None, :]
+    if SPLIT_K == 1:
+        scale = tl.load(s_ptr + cols, mask=col_ok, other=0.0)
+        scale_u = scale
+        if SILU_MUL:
+            scale_u = tl.load(s_ptr + N + cols, mask=col_ok, other=0.0)
+        y = _scaled_epilogue(acc, acc_u, scale, scale_u, dt, y_ptr.dtype.element_ty, SILU_MUL)
+        tl.store(y_ptr + rows.to(tl.int64)[:, None] * y_stride + cols[None, :], y, mask=mask)
+    else:
+        width = 2 * N if SILU_MUL else N
+        p_ptrs = p_ptr + (pid_k * M + rows.to(tl.int64))[:, None] * width + cols[None, :]
+        tl.store(p_ptrs, acc, mask=mask)
+        if SILU_MUL:
+            tl.store(p_ptrs + N, acc_u, mask=mask)
+
+
+@triton.jit
+def _fp8_gemm_kernel(x_ptr, w_ptr, s_ptr, y_ptr, p_ptr, M, N, x_stride, y_stride,
+                     K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                     BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr, CUDA_CORES: tl.constexpr,
+                     DOT_F32: tl.constexpr, SILU_MUL: tl.constexpr):
+    # Row blocks vary fastest: the programs converting one weight tile run back to back.
+    # Program (m, n, s) sums K range [s * K / SPLIT_K, (s + 1) * K / SPLIT_K) of its tile.
+    # SILU_MUL: weight rows [0, N) are gate, [N, 2N) up.
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    pid_k = tl.program_id(2)
+    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    row_ok = rows < M
+    col_ok = cols < N
+    per_split: tl.constexpr = K // SPLIT_K
+    ks = pid_k * per_split + tl.arange(0, BLOCK_K)
+    x_ptrs = x_ptr + rows.to(tl.int64)[:, None] * x_stride + ks[None, :]
+    w_ptrs = w_ptr + cols.to(tl.int64)[:, None] * K + ks[None, :]
+    u_ptrs = w_ptr + (cols + N).to(tl.int64)[:, None] * K + ks[None, :]
+    dt = x_ptr.dtype.element_ty
+    if CUDA_CORES:  # per-lane float32 sums of exact products, reduced after the loop
+        acc3 = tl.zeros((BLOCK_M, BLOCK_N, BLOCK_K), dtype=tl.float32)
+        acc3_u = tl.zeros((BLOCK_M, BLOCK_N, BLOCK_K), dtype=tl.float32)
+        for _ in range(0, per_split, BLOCK_K):
+            x = tl.load(x_ptrs, mask=row_ok[:, None], other=0.0).to(tl.float32)
+            w = tl.load(w_ptrs, mask=col_ok[:, None], other=0.0).to(tl.float32)
+            acc3 += x[:, None, :] * w[None, :, :]
+            if SILU_MUL:
+                u = tl.load(u_ptrs, mask=col_ok[:, None], other=0.0).to(tl.float32)
+                acc3_u += x[:, None, :] * u[None, :, :]
+                u_ptrs += BLOCK_K
+            x_ptrs += BLOCK_K
+            w_ptrs += BLOCK_K
+        acc = tl.sum(acc3, axis=2)
+        acc_u = tl.sum(acc3_u, axis=2)
+    else:  # tensor cores: the tile converted to the activation dtype (exact)
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        acc_u = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for _ in range(0, per_split, BLOCK_K):
+            x = tl.load(x_ptrs, mask=row_ok[:, None], other=0.0)
+            w = tl.load(w_ptrs, mask=col_ok[:, None], other=0.0)
+            acc = _dot_acc(acc, x, w.to(dt), DOT_F32)
+            if SILU_MUL:
+                u = tl.load(u_ptrs, mask=col_ok[:, None], other=0.0)
+                acc_u = _dot_acc(acc_u, x, u.to(dt), DOT_F32)
+                u_ptrs += BLOCK_K
+            x_ptrs += BLOCK_K
+            w_ptrs += BLOCK_K
+    _finish(acc, acc_u, s_ptr, y_ptr, p_ptr, rows, cols, row_ok, col_ok, M, N, y_stride, pid_k,
+            dt, SPLIT_K, SILU_MUL)
+
+
+@triton.jit
+def _split_reduce_kernel(p_ptr, s_ptr, y_ptr, M, N, y_stride, SPLIT_K: tl.constexpr,
+                         SILU_MUL: tl.constexpr, BLOCK: tl.constexpr, DT: tl.constexpr):
+    # y = epilogue(sum over splits, in split order, of the partial sums).
+    i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    ok = i < M * N
+    m = (i // N).to(tl.int64)
+    n = i % N
+    width = 2 * N if SILU_MUL else N
+    acc = tl.zeros((1, BLOCK), dtype=tl.float32)
+    acc_u = tl.zeros((1, BLOCK), dtype=tl.float32)
+    for s in tl.static_range(SPLIT_K):
+        ptrs = p_ptr + (s * M + m) * width + n
+        acc += tl.load(ptrs, mask=ok, other=0.0)[None, :]
+        if SILU_MUL:
+            acc_u += tl.load(ptrs + N, mask=ok, other=0.0)[None, :]
+    scale = tl.load(s_ptr + n, mask=ok, other=0.0)
+    scale_u = scale
+    if SILU_MUL:
+        scale_u = tl.load(s_ptr + N + n, mask=ok, other=0.0)
+    y = _scaled_epilogue(acc, acc_u, scale, scale_u, DT, y_ptr.dtype.element_ty, SILU_MUL)
+    tl.store(y_ptr + m * y_stride + n, tl.reshape(y, (BLOCK,)), mask=ok)
+
+
+@triton.jit
+def _dequant_kernel(w_ptr, s_ptr, out_ptr, N, out_stride, K: tl.constexpr,
+                    SCALE_DT: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                    EXACT_BF16: tl.constexpr):
+    # out = (w * s rounded to the scale dtype) rounded to out's dtype, as the reference.
+    rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    cols = tl.program_id(1) * BLOCK_K + tl.arange(0, BLOCK_K)
+    row_ok = rows < N
+    w = tl.load(w_ptr + rows.to(tl.int64)[:, None] * K + cols[None, :], mask=row_ok[:, None],
+                other=0.0)
+    s = tl.load(s_ptr + rows, mask=row_ok, other=0.0)
+    v = _round_to(w.to(tl.float32) * s[:, None], SCALE_DT, EXACT_BF16).to(tl.float32)
+    out_ptrs = out_ptr + rows.to(tl.int64)[:, None] * out_stride + cols[None, :]
+    tl.store(out_ptrs, _round_to(v, out_ptr.dtype.element_ty, EXACT_BF16), mask=row_ok[:, None])
+# fmt: on
+
+
+@dataclass(frozen=True)
+class Fp8Weight:
+    """A layer's FP8 weight as the kernels read it (views of the layer's tensors)."""
+
+    weight: torch.Tensor  # float8_e4m3fn [N, K]
+    scale: torch.Tensor  # float32 [N]
+    scale_dtype: torch.dtype  # the dtype the reference rounds weight x scale to
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return self.weight.shape[0], self.weight.shape[1]
+
+
+MAX_CUDA_CORE_ROWS = 8  # row tiles up to this many rows multiply on the CUDA cores
+
+
+@dataclass(frozen=True)
+class Fp8Config:
+    """One launch shape of the GEMM: row, column and K tile, and the K split (programs per
+    tile, summed by a second kernel in split order). Row tiles of at most
+    ``MAX_CUDA_CORE_ROWS`` run on the CUDA cores, wider ones (16 and up) on the tensor cores."""
+
+    block_m: int
+    block_n: int
+    block_k: int
+    split_k: int = 1
+    num_warps: int = 4
+    num_stages: int = 3
+
+    @property
+    def cuda_cores(self) -> bool:
+        return self.block_m <= MAX_CUDA_CORE_ROWS
+
+    def fits(self, k: int) -> bool:
+        """Whether K divides into this config's splits and tiles."""
+        return k % (self.split_k * self.block_k) == 0
+
+
+def _block_k(k: int, preferred: int) -> int:
+    """The largest power of two <= ``preferred`` dividing K (at least 16: ``tl.dot``)."""
+    b = preferred
+    while k % b:
+        b //= 2
+    if b < 16:
+        raise ValueError(f"K={k} has no tile width (a multiple of 16 is needed)")
+    return b
+
+
+def default_config(m: int, n: int, k: int) -> Fp8Config:
+    """A launch shape for an [m, k] x [n, k]^T product. (A starting point: the configs of the
+    decode buckets are to be tuned on the GPU with ``benchmarks/kernels/fp8.py --sweep``.)"""
+    if m <= MAX_CUDA_CORE_ROWS:
+        # Per-lane sums: BLOCK_M x BLOCK_N x BLOCK_K float32 registers, 64 a thread at 4 warps.
+        block_m = 1 << (m - 1).bit_length()  # 1, 2, 4 or 8
+        block_n = {1: 64, 2: 32}.get(block_m, 16)
+        block_k = _block_k(k, 64 if block_m == 8 else 128)
+        tiles = -(-n // block_n)
+        split = 1
+        # Enough programs to keep the memory system busy (an H200 has 132 SMs).
+        while tiles * split < 1024 and (k // block_k) % (2 * split) == 0 and split < 8:
+            split *= 2
+        return Fp8Config(block_m, block_n, block_k, split)
+    block_m = 16 if m <= 16 else (32 if m <= 32 else 64)
+    # The widest column block that still gives every SM about two programs streaming weights
+    # (o_proj's 4096 rows: 256 blocks of 16).
+    block_n = next((b for b in (64, 32) if n // b >= 256), 16)
+    return Fp8Config(block_m, block_n, _block_k(k, 128 if m > 32 else 256))
+
+
+_TUNED_DIR = Path(__file__).with_name("fp8_configs")
+
+
+def tuned_table_path(device_name: str) -> Path:
+    """Where the tuned configs of a GPU model live (``benchmarks.kernels fp8 --table``)."""
+    return _TUNED_DIR / (re.sub(r"[^A-Za-z0-9]+", "_", device_name).strip("_") + ".json")
+
+
+@functools.cache
+def _tuned(device_name: str) -> dict[str, dict[int, Fp8Config | None]]:
+    path = tuned_table_path(device_name)
+    if not path.is_file():
+        return {}
+    raw = json.loads(path.read_text())
+    return {
+        key: {int(m): None if cfg == "scratch" else Fp8Config(**cfg) for m, cfg in rows.items()}
+        for key, rows in raw["configs"].items()
+    }
+
+
+def table_key(n: int, k: int, silu: bool) -> str:
+    return f"n={n},k={k}" + (",silu" if silu else "")
+
+
+def decode_config(
+    m: int, n: int, k: int, silu: bool = False, device_name: str = ""
+) -> Fp8Config | None:
+    """What ``m`` rows run: the GEMM with this config, or None for the scratch path. The
+    tuned table's entry for this GPU and shape (that of the smallest tuned row count >= m)
+    where there is one, else ``default_config``."""
+    rows = _tuned(device_name).get(table_key(n, k, silu)) if device_name else None
+    tuned = sorted(r for r in rows or () if r >= m)
+    if tuned:
+        cfg = rows[tuned[0]]  # type: ignore[index]
+        if cfg is None or cfg.fits(k):
+            return cfg
+    return default_config(m, n, k)
+
+
+def _triton_dtype(dtype: torch.dtype) -> tl.dtype:
+    return {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}[
+        dtype
+    ]
+
+
+def dequantize(fw: Fp8Weight, out: torch.Tensor, block_n: int = 32) -> torch.Tensor:
+    """Writes the whole matrix into ``out`` ([N, K], unit column stride, the activation dtype):
+    the reference's values, bitwise (``quantization/fp8.py: dequantize``)."""
+    n, k = fw.shape
+    assert out.shape == (n, k) and out.stride(1) == 1
+    bk = _block_k(k, 128)
+    grid = (triton.cdiv(n, block_n), k // bk)
+    _dequant_kernel[grid](
+        fw.weight,
+        fw.scale,
+        out,
+        n,
+        out.stride(0),
+        K=k,
+        SCALE_DT=_triton_dtype(fw.scale_dtype),
+        BLOCK_N=block_n,
+        BLOCK_K=bk,
+        EXACT_BF16=_INTERPRETED,
+        num_warps=4,
+    )
+    return out
+
+
+def fp8_gemm(
+    x: torch.Tensor,
+    fw: Fp8Weight,
+    config: Fp8Config | None = None,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """x [M, K] -> [M, N] (float32 accumulation, the channel scale on the accumulator, rounded
+    to x's dtype; float32 inputs take exact float32 products, not TF32). ``out`` ([M, N], unit
+    column stride) may be float32: it receives the rounded values widened."""
+    return _launch(x, fw, fw.shape[0], config, out, silu_mul=False)
+
+
+def fp8_gemm_silu(x: torch.Tensor, fw: Fp8Weight, config: Fp8Config | None = None) -> torch.Tensor:
+    """x [M, K], a gate|up weight [2I, K] -> silu(x @ gate^T) * (x @ up^T), [M, I]: bitwise
+    ``silu_and_mul(fp8_gemm(x, fw, config))``."""
+    n2 = fw.shape[0]
+    if n2 % 2:
+        raise ValueError(f"a gate|up weight needs an even row count, got {n2}")
+    return _launch(x, fw, n2 // 2, config, None, silu_mul=True)
+
+
+def _launch(
+    x: torch.Tensor,
+    fw: Fp8Weight,
+    n: int,
+    config: Fp8Config | None,
+    out: torch.Tensor | None,
+    silu_mul: bool,
+) -> torch.Tensor:
+    """Checks the shapes and runs the GEMM for an [M, n] output."""
+    m = x.shape[0]
+    k = fw.shape[1]
+    if x.dim() != 2 or x.shape[1] != k or x.stride(1) != 1:
+        raise ValueError(f"input of shape {tuple(x.shape)} for a weight of {fw.shape}")
+    cfg = config or default_config(m, n, k)
+    if not cfg.fits(k):
+        raise ValueError(f"K={k} does not divide into {cfg}")
+    y = out if out is not None else torch.empty((m, n), dtype=x.dtype, device=x.device)
+    assert y.shape == (m, n) and y.stride(1) == 1
+    partial = y  # unused without a K split
+    if cfg.split_k > 1:
+        width = 2 * n if silu_mul else n
+        partial = torch.empty((cfg.split_k, m, width), dtype=torch.float32, device=x.device)
+    grid = (triton.cdiv(m, cfg.block_m), triton.cdiv(n, cfg.block_n), cfg.split_k)
+    _fp8_gemm_kernel[grid](
+        x, fw.weight, fw.scale, y, partial,
+        m, n, x.stride(0), y.stride(0),
+        K=k, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
+        SPLIT_K=cfg.split_k, CUDA_CORES=cfg.cuda_cores,
+        DOT_F32=_INTERPRETED or x.dtype == torch.float32, SILU_MUL=silu_mul,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )  # fmt: skip
+    if cfg.split_k > 1:
+        block = 1024
+        _split_reduce_kernel[(triton.cdiv(m * n, block),)](
+            partial, fw.scale, y, m, n, y.stride(0),
+            SPLIT_K=cfg.split_k, SILU_MUL=silu_mul, BLOCK=block, DT=_triton_dtype(x.dtype),
+            num_warps=4,
+        )  # fmt: skip
+    return y
+
+
+def linear_kernel(fw: Fp8Weight, config: Fp8Config) -> Callable[..., torch.Tensor]:
+    """A kernel-table entry (``linear.LinearKernel``) running this GEMM."""
+
+    def run(x: torch.Tensor, out: torch.Tensor | None) -> torch.Tensor:
+        return fp8_gemm(x, fw, config, out=out)
+
+    return run
+
+
+def silu_kernel(fw: Fp8Weight, config: Fp8Config) -> Callable[[torch.Tensor], torch.Tensor]:
+    """A gate|up layer's SiLU kernel-table entry (``linear.SiluKernel``)."""
+
+    def run(x: torch.Tensor) -> torch.Tensor:
+        return fp8_gemm_silu(x, fw, config)
+
+    return run
