@@ -336,7 +336,7 @@ class EngineView:
 
     # Hooks.
     def wrap_runner(self, name: str, wrap: Callable[[Callable], Callable]) -> Callable[[], None]:
-        """Replaces the runner's method ``name`` (``launch``, ``advance_encoder_job``) by
+        """Replaces the runner's method ``name`` (``launch``, ``collect``) by
         ``wrap(original)``; returns the function that restores it."""
         original = getattr(self.runner, name)
         setattr(self.runner, name, wrap(original))
@@ -344,28 +344,35 @@ class EngineView:
 
 
 def launch_record(out: Any) -> dict:
-    """What a scheduled step carries: kind, sequences, prompt tokens."""
+    """What a scheduled step carries: kind (decode, prefill or both: ``mixed``), decode
+    rows, prefill chunks and tokens, and encoder image-layers."""
+    kind = {(True, False): "decode", (False, True): "prefill", (True, True): "mixed"}.get(
+        (bool(out.decode_seqs), bool(out.chunks)), "encoder")
     return {
-        "kind": "prefill" if out.is_prefill else "decode",
-        "seqs": out.num_seqs,
-        "prompt_tokens": sum(len(s) for s in out.prefill_seqs),
+        "kind": kind,
+        "seqs": len(out.decode_seqs),
+        "chunks": len(out.chunks),
+        "prompt_tokens": out.num_prefill_tokens,
+        "encoder": sum(w.layers for w in out.encoder_work),
     }
 
 
 def scheduled_prompt_tokens(out: Any) -> int:
-    """Prompt tokens a scheduler output admits (0 for decode or none)."""
-    if out is None or not out.is_prefill:
-        return 0
-    return sum(len(s) for s in out.prefill_seqs)
+    """Prompt tokens a scheduler output prefills (0 for none)."""
+    return 0 if out is None else out.num_prefill_tokens
 
 
 def engine_state(engine: Any) -> tuple[int, int, bool, bool]:
-    """(running, waiting, image encoding pending, spread prefill in progress) of an engine."""
+    """(running, waiting, images being encoded ahead, prompts part-way through their chunks)
+    of an engine."""
+    from vllm.core.prefill_tracker import PrefillPhase
+
+    tracker = engine.scheduler.tracker
     return (
         len(engine.scheduler.running),
         len(engine.scheduler.waiting),
-        engine._encoder_job is not None,
-        engine.runner.prefill_job is not None,
+        tracker.count(PrefillPhase.ENCODING) > 0,
+        tracker.count(PrefillPhase.CHUNKED) > 0,
     )
 
 

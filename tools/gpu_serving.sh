@@ -1,28 +1,52 @@
 #!/usr/bin/env bash
-# Serving benchmark on one GPU (11B shape, dummy bf16 weights): starts `vllm serve`, runs the
-# concurrency-32 workload with image arrivals, saves the result JSON and the server's /metrics.
+# The serving comparison on one GPU (11B shape, dummy bf16 weights), every variant back to back:
+#   workload 1: 96 requests at concurrency 32, prompts of 200 words +-50%, half with a 4-tile
+#               image (1120 px), 64 output tokens;
+#   workload 2: 64 requests at concurrency 16, prompts of ~2k-16k tokens, half with a 4-tile
+#               image, 128 output tokens;
+#   the request-rate sweep of workload 1 (1, 2, 4, 8, 16 req/s and unbounded; SWEEP_PROMPTS
+#               requests per rate) on the default server, with its PNG;
+#   the token budget (--max-num-batched-tokens 256, 1024, 2048 next to the default) on workload 1,
+#               and 2048 on workload 2.
+# Servers: prefill-first (--no-enable-chunked-prefill) and chunked (the defaults), both with
+# --max-model-len 16896 for workload 2, and one per extra budget. Writes, under $OUT, each run's
+# JSON and /metrics, the sweep's JSON + PNG, and serving_summary.{json,md} (the table).
 # Usage (repository root, offline GPU machine): bash tools/gpu_serving.sh [extra server args...]
-# Env: TAG (file names), BENCH_ARGS (extra benchmark flags, e.g. "--random-range-ratio 0.5"),
-# TRACE=1 (server under `python -m benchmarks.profiling serve`, a step trace; analysis in
-# $OUT/$TAG.analysis.txt);
-# MODEL and NUM_PROMPTS (defaults demo/mllama-11b, 96) for a dry run on a small model.
+# Env: ONLY (space-separated variant names to run: prefill_first chunked budget256 budget1024
+# budget2048), SWEEP_RATES ("1 2 4 8 16 inf"), SWEEP_PROMPTS (48), TRACE=1 (servers under
+# `python -m benchmarks.profiling serve`, a step trace per server), MODEL (demo/mllama-11b) and
+# NUM_PROMPTS (96; workload 2 takes 2/3 of it) for a dry run on a small model.
 set -uo pipefail
 source tools/gpu_env.sh || exit 1
 PORT=${PORT:-8321}
-TAG=${TAG:-serving}
-SERVER=(-m vllm.entrypoints.cli.main)
-if [ "${TRACE:-0}" = 1 ]; then
-  export STEP_TRACE="$OUT/$TAG.trace.json"
-  SERVER=(-m benchmarks.profiling)
-fi
-python3 "${SERVER[@]}" serve "${MODEL:-demo/mllama-11b}" --load-format dummy --dtype bfloat16 \
-  --max-model-len 4096 --max-num-seqs 64 --port "$PORT" "$@" >"$OUT/$TAG.server.log" 2>&1 &
-SRV=$!
-trap 'kill -TERM $SRV 2>/dev/null' EXIT  # never leave the server behind
-python3 - "$PORT" <<'PY' || { tail -30 "$OUT/$TAG.server.log"; kill $SRV; exit 1; }
+MODEL=${MODEL:-demo/mllama-11b}
+N1=${NUM_PROMPTS:-96}
+N2=$(( N1 * 2 / 3 ))
+ONLY=${ONLY:-prefill_first chunked budget256 budget1024 budget2048}
+SWEEP_RATES=${SWEEP_RATES:-1 2 4 8 16 inf}
+SRV=
+W1=(--num-prompts "$N1" --max-concurrency 32 --input-len 200 --random-range-ratio 0.5
+    --output-len 64 --image-ratio 0.5 --image-size 1120)
+# ~1.3 tokens a word: 6,900 words +-77% is about 2k-16k tokens.
+W2=(--num-prompts "$N2" --max-concurrency 16 --input-len 6900 --random-range-ratio 0.77
+    --output-len 128 --image-ratio 0.5 --image-size 1120)
+COMMON=(--percentile-metrics ttft,tpot,itl,e2el --metric-percentiles 50,90,99 --disable-tqdm
+        --save-detailed)
+
+start_server() {  # start_server TAG [server args...]
+  local tag=$1; shift
+  local server=(-m vllm.entrypoints.cli.main)
+  if [ "${TRACE:-0}" = 1 ]; then
+    export STEP_TRACE="$OUT/$tag.trace.json"
+    server=(-m benchmarks.profiling)
+  fi
+  python3 "${server[@]}" serve "$MODEL" --load-format dummy --dtype bfloat16 \
+    --max-model-len 16896 --max-num-seqs 64 --port "$PORT" "$@" >"$OUT/$tag.server.log" 2>&1 &
+  SRV=$!
+  python3 - "$PORT" <<'PY' || { tail -30 "$OUT/$tag.server.log"; stop_server; return 1; }
 import sys, time, httpx
 url = f"http://127.0.0.1:{sys.argv[1]}/health"
-for _ in range(600):
+for _ in range(1200):
     try:
         if httpx.get(url, timeout=2).status_code == 200:
             sys.exit(0)
@@ -31,17 +55,52 @@ for _ in range(600):
     time.sleep(0.5)
 sys.exit(1)
 PY
-python3 benchmarks/benchmark_serving.py --port "$PORT" --num-prompts "${NUM_PROMPTS:-96}" \
-  --max-concurrency 32 \
-  --input-len 200 --output-len 64 --image-ratio 0.5 --image-size 1120 \
-  --percentile-metrics ttft,tpot,itl,e2el --metric-percentiles 50,90,99 ${BENCH_ARGS:-} \
-  --save-result --save-detailed --result-dir "$OUT" --result-filename "$TAG.json" 2>&1 | tail -40
-python3 -c "import httpx,sys; print(httpx.get(f'http://127.0.0.1:{sys.argv[1]}/metrics').text)" "$PORT" \
-  >"$OUT/$TAG.metrics.txt"
-grep -E "^vllm:(cuda_graph_replays|eager_decode)" "$OUT/$TAG.metrics.txt"
-kill -TERM $SRV; wait $SRV
-if [ "${TRACE:-0}" = 1 ]; then
-  python3 -m benchmarks.profiling analyze "$OUT/$TAG.json" "$STEP_TRACE" \
-    >"$OUT/$TAG.analysis.txt" 2>&1
-  head -4 "$OUT/$TAG.analysis.txt"
+  grep -m1 "Engine ready" "$OUT/$tag.server.log"
+}
+
+stop_server() {
+  [ -n "$SRV" ] && kill -TERM "$SRV" 2>/dev/null && wait "$SRV"
+  SRV=
+}
+trap stop_server EXIT  # never leave a server behind
+
+metrics() {  # metrics FILE: the server's /metrics now
+  python3 -c "import httpx,sys; print(httpx.get(f'http://127.0.0.1:{sys.argv[1]}/metrics').text)" \
+    "$PORT" >"$1"
+}
+
+bench() {  # bench TAG [benchmark args...]
+  local tag=$1; shift
+  metrics "$OUT/$tag.metrics.before.txt"
+  python3 benchmarks/benchmark_serving.py --port "$PORT" "${COMMON[@]}" "$@" --save-result \
+    --result-dir "$OUT" --result-filename "$tag.json" 2>&1 | grep -E "throughput|TTFT|ITL|Wrote"
+  metrics "$OUT/$tag.metrics.txt"
+}
+
+wanted() { [[ " $ONLY " == *" $1 "* ]]; }
+t0=$SECONDS
+if wanted prefill_first && start_server prefill_first --no-enable-chunked-prefill "$@"; then
+  bench w1_prefill_first "${W1[@]}"
+  bench w2_prefill_first "${W2[@]}"
+  stop_server
 fi
+if wanted chunked && start_server chunked "$@"; then
+  bench w1_chunked "${W1[@]}"
+  bench w2_chunked "${W2[@]}"
+  read -r -a rates <<<"$SWEEP_RATES"
+  # The sweep: workload 1 without the concurrency cap, SWEEP_PROMPTS requests per rate.
+  python3 benchmarks/benchmark_serving.py --port "$PORT" "${COMMON[@]}" "${W1[@]}" \
+    --num-prompts "${SWEEP_PROMPTS:-48}" --max-concurrency 1000000 --request-rate "${rates[@]}" \
+    --result-dir "$OUT" --result-filename w1_sweep.json 2>&1 | tail -9
+  stop_server
+fi
+for budget in 256 1024 2048; do
+  if wanted "budget$budget" && start_server "budget$budget" --max-num-batched-tokens "$budget" "$@"; then
+    bench "w1_budget$budget" "${W1[@]}"
+    # Long prompts are where a larger budget could pay: workload 2 at the largest one too.
+    [ "$budget" = 2048 ] && bench "w2_budget$budget" "${W2[@]}"
+    stop_server
+  fi
+done
+echo "all variants in $(( SECONDS - t0 )) s"
+python3 tools/serving_table.py "$OUT"

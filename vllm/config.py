@@ -91,23 +91,24 @@ class CacheConfig:
 
 @dataclass(frozen=True)
 class SchedulerConfig:
-    """Continuous-batching limits. Prompts are prefilled whole (no chunking).
+    """What one step may carry (``core/scheduler.py``).
 
-    While sequences are decoding, a prefill step carries at most ``decode_interleave_tokens``
-    prompt tokens (always at least one request) and is followed by a decode step, and images
-    of waiting requests are encoded ``encoder_layers_per_step`` image-layers per decode step
-    before their prefill. Either set to 0 restores the prefill-first behaviour for its part.
-    With ``prefill_layers_per_step`` > 0 an interleaved prefill is itself spread over the
-    decode steps that follow its admission, that many text layers each.
+    ``max_num_batched_tokens``: tokens per step, decode and prefill together (vLLM's meaning).
+    With ``enable_chunked_prefill`` a prompt is prefilled over several steps within it;
+    without, prompts run whole (prefill-first). ``encoder_layers_per_step``: image-layers of
+    the vision encoder per step for waiting requests (an image-layer is one encoder layer over
+    one image's tiles); 0 encodes images whole inside the prefill step.
+    ``max_num_encoder_tiles``: tiles of the images whose vision tokens a step's prefill
+    carries. ``scheduling_policy``: ``fcfs`` or ``priority`` (lower first, then arrival).
     """
 
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 8192
     max_model_len: int = 8192
-    max_num_encoder_tiles: int = 16  # per-step vision budget; each image costs max_num_tiles
-    decode_interleave_tokens: int = 256
-    encoder_layers_per_step: int = 4
-    prefill_layers_per_step: int = 5  # while interleaving: spread a prefill over decode steps
+    max_num_encoder_tiles: int = 16  # each image costs max_num_tiles
+    enable_chunked_prefill: bool = False
+    encoder_layers_per_step: int = 0
+    scheduling_policy: str = "fcfs"
 
 
 @dataclass(frozen=True)

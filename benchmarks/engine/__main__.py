@@ -28,9 +28,9 @@ COMMANDS = {
         "benchmarks.engine.guided",
         "decode step time with every row under a JSON schema vs free rows, compile times",
     ),
-    "interleave": (
-        "benchmarks.engine.interleave",
-        "closed-loop inter-token latency with image arrivals, per-step trace",
+    "serving-loop": (
+        "benchmarks.engine.serving_loop",
+        "closed-loop TTFT and inter-token latency with image arrivals, per-step trace",
     ),
 }
 

@@ -63,8 +63,8 @@ class StepTrace:
         launch, finish = runner.launch, runner.finish_launch
 
         def traced_launch(out: Any) -> Any:
-            if not out.is_prefill:
-                self.launches.append((time.perf_counter(), out.num_seqs))
+            if out.decode_seqs and not out.chunks:
+                self.launches.append((time.perf_counter(), len(out.decode_seqs)))
             return launch(out)
 
         def traced_finish(handle: Any) -> None:

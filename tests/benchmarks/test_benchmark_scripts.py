@@ -1,7 +1,7 @@
 """The benchmark tools on CPU: latency and throughput on the tiny demo model in-process, the
 serving benchmark's SSE client, the whole serving benchmark against a scripted loopback server
 and against the real server (``vllm.entrypoints.openai.api_server``) when it exists, and the
-``--smoke`` runs of ``python -m benchmarks.engine`` (report, ttft-tiles, interleave). The pure
+``--smoke`` runs of ``python -m benchmarks.engine`` (report, ttft-tiles, serving-loop). The pure
 serving math is in ``test_serving_metrics.py``."""
 
 from __future__ import annotations
@@ -331,17 +331,25 @@ def _run_module(*argv: str) -> None:
     assert proc.returncode == 0, proc.stderr[-2000:]
 
 
-def test_closed_loop_interleave_smoke(tmp_path: Path) -> None:
-    """python -m benchmarks.engine interleave on the tiny model: a JSON with ITL percentiles
-    and a step trace whose steps add up to the work done."""
-    out = tmp_path / "il.json"
-    _run_module("benchmarks.engine", "interleave", "--smoke", "--out", str(out))
+@pytest.mark.parametrize("chunked", [True, False])
+def test_closed_loop_smoke(tmp_path: Path, chunked: bool) -> None:
+    """python -m benchmarks.engine serving-loop on the tiny model: a JSON with ITL percentiles
+    and a step trace whose steps add up to the work done, within the token budget."""
+    out = tmp_path / "loop.json"
+    flag = "--enable-chunked-prefill" if chunked else "--no-enable-chunked-prefill"
+    _run_module("benchmarks.engine", "serving-loop", "--smoke", flag,
+                "--max-num-batched-tokens", "16" if chunked else "256", "--out", str(out))
     rec = json.loads(out.read_text())
     assert rec["itl_ms"]["50"] > 0 and rec["ttft_ms"]["99"] >= rec["ttft_ms"]["50"]
     assert rec["graph_replay_fraction"] == 1.0
-    kinds = {s["kind"] for s in rec["trace"]}
-    assert kinds == {"prefill", "decode"}
-    assert sum(s["seqs"] for s in rec["trace"] if s["kind"] == "prefill") == 8
+    trace = rec["trace"]
+    # 8 requests of 6 tokens: the first from each prefill, the other 5 from decode rows.
+    assert sum(s["seqs"] for s in trace) == 8 * 5
+    budget = 16 if chunked else 256
+    assert all(s["seqs"] + s["prompt_tokens"] <= budget for s in trace)
+    if chunked:  # some prompt ran over several steps (prompts of ~24 tokens > 16)
+        assert sum(s["chunks"] for s in trace) > 8
+        assert "mixed" in {s["kind"] for s in trace}  # decode and prefill in one step
 
 
 def test_report_smoke(tmp_path: Path) -> None:

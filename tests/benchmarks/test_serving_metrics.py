@@ -118,3 +118,65 @@ def test_synthetic_dataset_is_seeded_and_mixed() -> None:
     assert build_payload(text_req, "/v1/completions", "m", True)["prompt"] == text_req.prompt
     with pytest.raises(ValueError, match="text only"):
         build_payload(next(r for r in a if r.image_urls), "/v1/completions", "m", True)
+
+
+def test_sweep_plot_draws_every_series(tmp_path) -> None:
+    """Each panel of the sweep PNG holds its series' colour, at heights that follow the
+    values (the p99 line is above the median line where it is larger)."""
+    from PIL import Image
+
+    from vllm.entrypoints.cli.benchmark.sweep_plot import COLOURS, HEIGHT, WIDTH, plot_sweep
+
+    runs = [{"request_rate": r, "median_ttft_ms": 10.0 * i + 5, "p99_ttft_ms": 40.0 * i + 20,
+             "median_itl_ms": 7.0, "p99_itl_ms": 9.0 + i, "output_throughput": 100.0 * (i + 1)}
+            for i, r in enumerate([1.0, 2.0, 4.0, "inf"])]
+    path = plot_sweep(runs, tmp_path / "s.png")
+    with Image.open(path) as png:
+        img = png.convert("RGB")
+    assert img.size == (3 * WIDTH, HEIGHT)
+
+    def rows_of(colour, panel):
+        return [y for x in range(panel * WIDTH, (panel + 1) * WIDTH) for y in range(HEIGHT)
+                if img.getpixel((x, y)) == colour]
+
+    for panel in range(3):
+        assert rows_of(COLOURS[0], panel)
+    median, p99 = rows_of(COLOURS[0], 0), rows_of(COLOURS[1], 0)
+    assert p99 and min(p99) < min(median)  # higher values are drawn higher up
+
+
+def test_serving_table_checks_the_targets(tmp_path) -> None:
+    """tools/serving_table.py: throughput against prefill-first of the same workload, the ITL
+    ratio and the eager decode steps counted from the /metrics snapshots around each run."""
+    import importlib.util
+    import json
+    from pathlib import Path
+
+    spec = importlib.util.spec_from_file_location(
+        "serving_table", Path(__file__).resolve().parents[2] / "tools" / "serving_table.py")
+    table = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(table)
+
+    def run(tag, tok_s, itl50, itl99, eager_after):
+        (tmp_path / f"{tag}.json").write_text(json.dumps({
+            "completed": 10, "output_throughput": tok_s, "median_ttft_ms": 200.0,
+            "p99_ttft_ms": 900.0, "median_itl_ms": itl50, "p99_itl_ms": itl99}))
+        metrics = ('vllm:cuda_graph_replays_total{{family="text",bucket="8"}} {}\n'
+                   "vllm:eager_decode_steps_total {}\n")
+        (tmp_path / f"{tag}.metrics.before.txt").write_text(metrics.format(5, 1))
+        (tmp_path / f"{tag}.metrics.txt").write_text(metrics.format(105, 1 + eager_after))
+
+    run("w1_prefill_first", 1000.0, 7.0, 350.0, 0)
+    run("w1_chunked", 960.0, 12.0, 30.0, 0)
+    run("w1_budget256", 900.0, 10.0, 40.0, 2)
+    text = table.main(tmp_path)
+    rows = {r["variant"]: r for r in json.loads((tmp_path / "serving_summary.json")
+                                                .read_text())["runs"]}
+    assert rows["chunked"]["targets"] == {"1_throughput": True, "2_itl": True, "3_ttft": True,
+                                          "4_graphs": True}
+    assert rows["chunked"]["graph_replays"] == 100
+    assert rows["budget256"]["targets"]["1_throughput"] is False  # 90% of prefill-first
+    assert rows["budget256"]["targets"]["2_itl"] is False  # 4x the median
+    assert rows["budget256"]["eager_decode_steps"] == 2
+    assert rows["prefill_first"]["targets"]["2_itl"] is False
+    assert "| w1 | chunked | 960 | 96% |" in text

@@ -1,6 +1,6 @@
-"""Randomised engine run: async scheduling, preemption under a tight cache, n > 1, images,
-stop strings and aborts at random points. Everything not aborted finishes as it would alone,
-and every page and decode row comes back."""
+"""Randomised engine run: async scheduling, preemption under a tight cache, chunked and
+batched prefill, n > 1, images, stop strings and aborts at random points. Everything not
+aborted finishes as it would alone, and every page and decode row comes back."""
 
 from __future__ import annotations
 
@@ -36,14 +36,16 @@ def _request(rng: random.Random, i: int) -> tuple[dict | str, SamplingParams]:
     return prompt, params
 
 
-@pytest.mark.parametrize("seed,spread,pages", [(0, 0, 40), (1, 0, 40), (0, 1, 24)])
-def test_random_workload_with_preemption_and_aborts(seed: int, spread: int, pages: int) -> None:
+@pytest.mark.parametrize("seed,budget,pages", [(0, 16, 24), (1, 24, 24), (0, 192, 24)])
+def test_random_workload_with_preemption_and_aborts(seed: int, budget: int, pages: int) -> None:
+    """Small budgets cut prompts into chunks of a few tokens (image tokens inside them);
+    192 batches whole prompts next to the decode."""
     rng = random.Random(seed)
     work = [_request(rng, i) for i in range(28)]
     tight = LLM(model="demo/mllama-tiny", max_model_len=192, max_num_seqs=8,
                 limit_mm_per_prompt={"image": 2}, num_gpu_blocks_override=pages,
-                decode_interleave_tokens=256, encoder_layers_per_step=4,  # the server's mode
-                prefill_layers_per_step=spread)
+                enable_chunked_prefill=True, max_num_batched_tokens=budget,
+                encoder_layers_per_step=4)  # the server's mode
     engine = tight.llm_engine
     aborted: set[str] = set()
     finished = {}
@@ -65,9 +67,9 @@ def test_random_workload_with_preemption_and_aborts(seed: int, spread: int, page
         assert steps < 5000
         engine.check_integrity()
     assert engine.scheduler.num_preemptions > 0
-    assert engine.runner.stats.images_encoded_ahead > 0  # interleaved admission was exercised
-    assert (engine.runner.stats.spread_prefills > 0) == bool(spread)
-    assert engine.runner.prefill_job is None and engine.scheduler.sliced_prefill is None
+    assert engine.runner.stats.images_encoded_ahead > 0  # images were encoded over steps
+    assert (engine.runner.stats.prefill_chunks > 0) == (budget < 192)
+    assert len(engine.scheduler.tracker) == 0  # no prefill record outlives its request
     assert engine.block_manager.pool.usage() == 0.0
     rows = engine.runner.rows
     assert len(rows.free_rows) == rows.max_rows

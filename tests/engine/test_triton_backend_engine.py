@@ -2,12 +2,12 @@
 
 On CPU the kernels run in Triton's interpreter with its bounds checks (``tests/conftest.py``):
 an out-of-bounds load or store fails the test. The scenario mixes a text request, an image
-request and a two-image request with interleaved and spread prefills, so paged KV writes with
-RoPE, causal and ranged-cross prefill, and paged self and cross decode over padded graph
-batches all run. The second test also takes every CUDA-only code path of the model (fused
-norms, vision embedding, SiLU, row advance, in-graph argmax, key-split cross prefill with an
-H200's SM count) by choosing the fused kernels at load on CPU. (On CUDA the engine runs these
-kernels anyway, compared with HF by the model tests.)"""
+request and a two-image request with chunked prefills next to decodes, so paged KV writes
+with RoPE, causal, chunk-after-context and ranged-cross prefill, and paged self and cross
+decode over padded graph batches all run. The second test also takes every CUDA-only code
+path of the model (fused norms, vision embedding, SiLU, row advance, in-graph argmax,
+key-split cross prefill with an H200's SM count) by choosing the fused kernels at load on
+CPU. (On CUDA the engine runs these kernels anyway, compared with HF by the model tests.)"""
 
 from __future__ import annotations
 
@@ -50,13 +50,13 @@ def _run(backend: str, monkeypatch, fused: bool = False) -> list:
                 "torch": lambda device: TorchBackend()}[backend]
         monkeypatch.setattr(loaded_model, "get_attn_backend", make)
     llm = LLM(model="demo/mllama-tiny", max_model_len=256, max_num_seqs=4, dtype="float32",
-              limit_mm_per_prompt={"image": 2}, decode_interleave_tokens=256,
-              encoder_layers_per_step=2, prefill_layers_per_step=2)
+              limit_mm_per_prompt={"image": 2}, enable_chunked_prefill=True,
+              max_num_batched_tokens=8, encoder_layers_per_step=2)
     engine = llm.llm_engine
     kind = type(engine.runner.model.language_model.model.layers[0].self_attn.attn.backend)
     assert kind is (TorchBackend if backend == "torch" else TritonBackend)
     params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True, logprobs=3)
-    # Staggered arrivals: decode steps run between (and during spread) prefills.
+    # Staggered arrivals: decode steps run next to the others' prefill chunks.
     engine.add_request("0", PROMPTS[0], params)
     engine.step()
     engine.step()

@@ -1,6 +1,6 @@
 """Start-up warm-up (vllm/engine/warmup.py): it drives the engine through the spread encoder
-and prefill paths, leaves no trace (no request, no page, zeroed counters) and does not change
-what the engine generates afterwards (tiny model, CPU)."""
+and chunked prefill paths, leaves no trace (no request, no page, zeroed counters) and does not
+change what the engine generates afterwards (tiny model, CPU)."""
 
 from __future__ import annotations
 
@@ -15,10 +15,11 @@ PARAMS = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, logprobs=2
 
 
 def _llm() -> LLM:
-    # The serving defaults: interleaved prefill with the encoder and the prefill spread.
+    # The serving mode: chunked prefill (a budget small enough to cut the warm-up's prompts)
+    # with the encoder spread over steps.
     return LLM(model="demo/mllama-tiny", max_model_len=256, max_num_seqs=8,
-               limit_mm_per_prompt={"image": 2}, decode_interleave_tokens=256,
-               encoder_layers_per_step=4, prefill_layers_per_step=2)
+               limit_mm_per_prompt={"image": 2}, enable_chunked_prefill=True,
+               max_num_batched_tokens=32, encoder_layers_per_step=4)
 
 
 def _prompts() -> list:
@@ -47,8 +48,8 @@ def test_warmup_covers_spread_paths_and_leaves_engine_clean(reference: list) -> 
 
     def snapshot() -> None:
         s = engine.runner.stats
-        seen.update(spread=s.spread_prefills, ahead=s.images_encoded_ahead,
-                    chunks=s.encoder_chunks, prefills=s.prefill_steps, steps=s.steps,
+        seen.update(chunks=s.prefill_chunks, ahead=s.images_encoded_ahead,
+                    encoder=s.encoder_steps, prefills=s.prefill_steps, steps=s.steps,
                     finished=sum(engine.stats.snapshot()["request_success"].values()))
         reset()
 
@@ -57,14 +58,14 @@ def test_warmup_covers_spread_paths_and_leaves_engine_clean(reference: list) -> 
     spec = engine.config.model_config.spec
     tile_counts = {w * h for w, h in spec.vision.supported_aspect_ratios}
     assert stats.requests >= 6 + len(tile_counts) and stats.steps > 0
-    # Images of every tile count were encoded ahead over decode steps and prefills spread.
+    # Images of every tile count were encoded over steps, and prompts prefilled in chunks.
     assert seen["ahead"] >= max(len(tile_counts), 3)
-    assert seen["chunks"] > seen["ahead"] and seen["spread"] >= 4
+    assert seen["encoder"] > seen["ahead"] and seen["chunks"] >= 4
     assert seen["steps"] > seen["prefills"] > 0
     # Nothing left behind: no request, every page free, counters zeroed.
     assert not engine.has_unfinished_requests() and not engine.scheduler.requests
     assert engine.kv_cache_usage() == 0.0
-    assert engine.runner.prefill_job is None and engine.runner.stats.steps == 0
+    assert len(engine.scheduler.tracker) == 0 and engine.runner.stats.steps == 0
     assert not engine.runner.stats.graph_replays and engine.scheduler.num_preemptions == 0
     assert len(engine.input_processor.image_cache) == 0  # the random images are dropped
     # The warm-up's requests were counted as they ran, and are not served traffic: /metrics
@@ -93,8 +94,8 @@ def test_warmup_with_one_sequence_and_short_context() -> None:
     """A batch of one (nothing can interleave) and a context shorter than the warm-up's
     prompts: the warm-up clips its prompts, finishes and leaves the engine idle."""
     llm = LLM(model="demo/mllama-tiny", max_model_len=48, max_num_seqs=1,
-              limit_mm_per_prompt={"image": 1}, decode_interleave_tokens=256,
-              encoder_layers_per_step=4, prefill_layers_per_step=2)
+              limit_mm_per_prompt={"image": 1}, enable_chunked_prefill=True,
+              max_num_batched_tokens=16, encoder_layers_per_step=4)
     engine = llm.llm_engine
     stats = warm_up(engine)
     assert stats.steps > 0 and not engine.has_unfinished_requests()
@@ -108,7 +109,9 @@ def test_warmup_runs_every_prefill_gemm_shape_served_later(monkeypatch) -> None:
     that possible, so this fails if a prefill step's rows are left unpadded."""
     from vllm.model_executor.layers.linear import Linear
 
-    llm = _llm()
+    # Whole prompts (the budget is max_model_len's): steps of every row count up to it.
+    llm = LLM(model="demo/mllama-tiny", max_model_len=256, max_num_seqs=8,
+              limit_mm_per_prompt={"image": 2})
     engine = llm.llm_engine
     runner = engine.runner
     text_linears = {id(m) for name, m in runner.model.language_model.model.layers.named_modules()
@@ -136,8 +139,7 @@ def test_warmup_runs_every_prefill_gemm_shape_served_later(monkeypatch) -> None:
                         in_phase("warm", runner.warm_up_prefill_gemms))
     stats = warm_up(engine)
     assert stats.prefill_gemms == len(seen["warm"]) > 0
-    for name in ("_begin_prefill", "advance_prefill", "_prefill"):
-        monkeypatch.setattr(runner, name, in_phase("prefill", getattr(runner, name)))
+    monkeypatch.setattr(runner, "_prefill", in_phase("prefill", runner._prefill))
     words = ["one", "two", "three", "four", "five", "six", "seven", "eight", "nine", "ten"]
     lengths = (1, 4, 9, 17, 30)  # words: about five tokens each
     prompts = [" ".join(words[i % 10] for i in range(n)) for n in lengths] + _prompts()[1:]

@@ -315,6 +315,44 @@ def test_sdpa_prefill_causal_matches_reference(
     torch.testing.assert_close(out[:real], expected[:real], **tol)
 
 
+@pytest.mark.parametrize(
+    ("num_heads", "num_kv_heads", "head_dim", "dtype"),
+    [(4, 2, 32, torch.float32), (8, 1, 16, torch.float32), (8, 2, 64, torch.float16)],
+)
+@pytest.mark.parametrize("backend", [TorchBackend(), TritonBackend(SMALL)], ids=["torch", "triton"])
+def test_prefill_chunks_read_their_context_from_pages(
+    num_heads: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype, backend
+) -> None:
+    """Chunked prefill: chunks after 0, 5, 16 and 37 cached tokens (page boundaries inside and
+    on the edge), packed with a whole prompt and padding rows; each chunk's K/V is written to
+    its pages first, as the layer does. Against the oracle reading everything from pages."""
+    page, gen = 4, _gen(head_dim + num_heads)
+    contexts, lens = [0, 5, 16, 37, 0], [6, 7, 1, 12, 9]
+    totals = [c + n for c, n in zip(contexts, lens, strict=True)]
+    num_pages = sum(math.ceil(t / page) for t in totals) + 2
+    _, kc, vc = make_pool(num_pages, num_kv_heads, page, head_dim, dtype, gen)
+    tables = make_tables(totals, page, num_pages, gen).tolist()
+    q, k, v = _packed_qkv(sum(lens) + 3, num_heads, num_kv_heads, head_dim, dtype, gen)
+    # The earlier chunks' K/V (finite garbage past it on each page is never read).
+    slots, pages = [], []
+    for table, ctx, n in zip(tables, contexts, lens, strict=True):
+        slots += [table[t // page] * page + t % page for t in range(ctx, ctx + n)]
+        pages.append(torch.tensor(table[:math.ceil((ctx + n) / page)], device=DEVICE)
+                     if ctx else None)
+    slot_mapping = torch.tensor(slots + [-1] * 3, dtype=torch.int64, device=DEVICE)
+    ref.write_kv_cache(k, v, kc, vc, slot_mapping)
+    md = PrefillMetadata(num_tokens=sum(lens) + 3, slot_mapping=slot_mapping, seq_lens=lens,
+                         num_padding=3, context_lens=contexts, context_pages=pages)
+    out = backend.prefill_self(q, k, v, md, 0.3, (kc, vc))
+    expected = ref.chunked_causal_attention(q, kc, vc, tables, contexts, lens, 0.3)
+    real = sum(lens)
+    tol = FP32_TOL if dtype == torch.float32 else HALF_TOL
+    torch.testing.assert_close(out[:real], expected[:real], **tol)
+    # A chunk with no context is the ordinary causal prefill of its own tokens.
+    torch.testing.assert_close(
+        expected[:6], ref.varlen_causal_attention(q[:6], k[:6], v[:6], [6], 0.3), **tol)
+
+
 def _cross_runs() -> tuple[int, int, list[tuple[int, int, int, int]]]:
     """(text tokens, vision tokens, runs): two requests, nested and empty ranges, tokens
     outside every run, runs that straddle query tiles."""

@@ -171,8 +171,8 @@ class _StalePadding(TorchBackend):
     as every back-end's ``empty_like`` output may."""
 
     def prefill_self(self, query, key, value, md: PrefillMetadata,
-                     scale: float) -> torch.Tensor:
-        out = super().prefill_self(query, key, value, md, scale)
+                     scale: float, kv_cache=None) -> torch.Tensor:
+        out = super().prefill_self(query, key, value, md, scale, kv_cache)
         out[sum(md.seq_lens):] = float("nan")
         return out
 

@@ -1,5 +1,5 @@
-"""Launching a step never waits for the GPU: prefill with images, decode, and images encoded
-ahead over decode steps. On CUDA every synchronising call (a pageable copy, ``.item()``, a
+"""Launching a step never waits for the GPU: prefill with images, chunks, decode, and images
+encoded ahead over steps. On CUDA every synchronising call (a pageable copy, ``.item()``, a
 stream or event wait) raises inside the launch; on CPU host reads of tensor data do."""
 
 from __future__ import annotations
@@ -42,11 +42,13 @@ def _image(seed: int) -> Image.Image:
     return Image.fromarray(rng.integers(0, 256, (70, 120, 3), dtype=np.uint8))
 
 
-@pytest.mark.parametrize("spread", [0, 2])
-def test_step_launches_do_not_synchronise(spread: int) -> None:
+@pytest.mark.parametrize("budget", [8, 256])
+def test_step_launches_do_not_synchronise(budget: int) -> None:
+    """Chunks of every kind (8: prompts over several steps, image tokens inside chunks) and
+    whole prompts batched with decode (256)."""
     llm = LLM(model="demo/mllama-tiny", max_model_len=256, max_num_seqs=8,
-              limit_mm_per_prompt={"image": 2}, decode_interleave_tokens=256,
-              encoder_layers_per_step=2, prefill_layers_per_step=spread)
+              limit_mm_per_prompt={"image": 2}, enable_chunked_prefill=True,
+              max_num_batched_tokens=budget, encoder_layers_per_step=2)
     engine = llm.llm_engine
     params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=2,
                             prompt_logprobs=2)
@@ -55,10 +57,6 @@ def test_step_launches_do_not_synchronise(spread: int) -> None:
     llm.generate([image, "warm up"], params, use_tqdm=False)  # first-use allocations
     runner = engine.runner
     runner.launch = _strictly(runner.launch)
-    runner.start_encoder_job = _strictly(runner.start_encoder_job)
-    runner.advance_encoder_job = _strictly(runner.advance_encoder_job)
-    runner.start_prefill = _strictly(runner.start_prefill)
-    runner.advance_prefill = _strictly(runner.advance_prefill)
     engine.add_request("long", "A long text request", params)
     engine.step()
     engine.step()
@@ -82,7 +80,7 @@ def test_step_launches_do_not_synchronise(spread: int) -> None:
     assert all(o.error is None and len(o.outputs[0].token_ids) == 12 for o in done.values())
     assert all(len(o.prompt_logprobs) == len(o.prompt_token_ids) for o in done.values())
     assert runner.stats.images_encoded_ahead >= 1
-    assert (runner.stats.spread_prefills > 0) == bool(spread)
+    assert (runner.stats.prefill_chunks > 0) == (budget == 8)
 
 
 def test_prompt_logprobs_reach_the_host_only_at_collect() -> None:
@@ -95,11 +93,11 @@ def test_prompt_logprobs_reach_the_host_only_at_collect() -> None:
     engine.add_request("p", {"prompt": "<|begin_of_text|>Look at <|image|>this",
                              "multi_modal_data": {"image": _image(3)}}, params)
     out = engine.scheduler.schedule()
-    assert out is not None and out.is_prefill
+    assert out is not None and len(out.chunks) == 1 and out.chunks[0].samplers
     handle = engine.runner.launch(out)
     assert handle.result.prompt_logprobs == {}
     vals, ids, ranks, images = handle.prompt_logprobs["p"]
-    n = len(out.prefill_seqs[0].token_ids) - 1
+    n = len(out.chunks[0].seq.token_ids) - 1
     assert all(isinstance(t, torch.Tensor) for t in (vals, ids, ranks))
     assert vals.shape == ids.shape == (n, 4) and ranks.shape == (n,)
     result = engine.runner.collect(handle)

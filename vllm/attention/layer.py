@@ -53,7 +53,7 @@ class Attention(_PagedAttentionBase):
         assert backend is not None, "attention back-end not bound"
         q, k, v = self._rope_and_write(backend, md, q, k, v, positions, rotary)
         if isinstance(md, PrefillMetadata):
-            out = backend.prefill_self(q, k, v, md, self.scale)
+            out = backend.prefill_self(q, k, v, md, self.scale, self.kv_cache)
             if md.num_padding:
                 # The back-ends leave rows outside every sequence unwritten: zeroed, the
                 # padding rows stay finite through the layers, so no NaN of stale memory

@@ -1,7 +1,7 @@
 """Per-step attention metadata: one instance describes every attention layer's inputs for a step.
 
-A step is a prefill (whole prompts packed back to back; no chunking, no prefix reuse) or a
-decode (one token per sequence), each with its own type:
+A step runs a decode (one token per sequence) and a prefill (prompts or chunks of prompts
+packed back to back; a chunk continues tokens already in the cache), each with its own type:
 
 * :class:`DecodeMetadata` is what a captured decode graph reads: device tensors and integers
   fixed for the graph (its static maxima), nothing else. The type checks that on construction,
@@ -71,7 +71,7 @@ class PrefillMetadata:
 
     num_tokens: int  # rows of the step, padding rows included
     slot_mapping: torch.Tensor  # [num_tokens] int64; -1 writes nothing
-    seq_lens: list[int]  # host prompt lengths, packed back to back from row 0
+    seq_lens: list[int]  # host token counts of the step's sequences, packed from row 0
     # Trailing rows outside every sequence (prefill_inputs.prefill_rows pads the step's rows).
     num_padding: int = 0
     # Cached vision tokens of the longest last image group; 0 skips the cross layers.
@@ -81,6 +81,10 @@ class PrefillMetadata:
     cross_range_runs: list[tuple[int, int, int, int]] | None = None  # host (q0, q1, kv0, kv1)
     cross_cache_src: torch.Tensor | None = None  # [num_cached] int64 rows of the packed tokens
     cross_slot_mapping: torch.Tensor | None = None  # [num_cached] int64 cross-cache slots
+    # Prefill chunks: per sequence, the tokens before this step's (their K/V in its pages),
+    # and for those with any, the pages holding positions 0..context+seq_len ([n] int64).
+    context_lens: list[int] | None = None
+    context_pages: list[torch.Tensor | None] | None = None
 
     @property
     def num_seqs(self) -> int:

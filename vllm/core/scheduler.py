@@ -1,81 +1,82 @@
-"""Continuous batching: which sequences run in the next step.
+"""Continuous batching under a token budget: what each step carries.
 
-A step is either a prefill of whole prompts (new requests, or preempted ones recomputed) or a
-decode of every running sequence. Waiting requests are admitted first-come-first-served under
-``max_num_seqs``, ``max_num_batched_tokens``, the per-step vision budget and free pages. When a
-decode step lacks pages, the youngest running request is preempted: its pages are freed, it
-keeps its tokens and images, and it is recomputed later. Nothing is lost.
+A step carries, in this order of precedence:
 
-While sequences are decoding, prefill is interleaved (``decode_interleave_tokens``): a prefill
-step carries a bounded number of prompt tokens and the next step is a decode, so a running
-sequence waits for at most one bounded prefill between two tokens. An image request is then
-admitted only once its images were encoded ahead of time (the engine spreads that over decode
-steps, ``encoder_layers_per_step``); requests behind it may go first meanwhile.
+1. a **decode** of every running sequence whose prompt is done (always a CUDA-graph replay);
+2. **prefill** work within ``max_num_batched_tokens`` (vLLM's meaning: the decode tokens
+   count too): first the next chunks of admitted requests still prefilling, then newly
+   admitted requests. With ``enable_chunked_prefill`` a prompt is cut to what the budget has
+   left and continues in later steps; without it a prompt runs whole (prefill-first);
+3. **encoder** work within ``encoder_layers_per_step`` image-layers: the images of waiting
+   requests are encoded a few layers per step before their prefill (0: inside the prefill).
+
+Order: requests are served by ``(priority, arrival)`` under ``scheduling_policy="priority"``
+(lower values first, vLLM's rule) and by arrival under ``"fcfs"``. A waiting request whose
+piece does not fit what is left of the step (its whole prompt without chunking, its pages, or
+the step's vision budget ``max_num_encoder_tiles``) lets later requests use it, but for at
+most ``MAX_SKIPPED_STEPS`` steps. After that nothing behind it is admitted until it is: a
+prompt that fits the budget alone gets the next step with no decode in it (so smaller requests
+behind it wait at most ``MAX_SKIPPED_STEPS + 1`` steps), and one short of pages waits for
+running requests to finish (each does within ``max_model_len`` steps), so no request starves.
+Requests whose images are being encoded are not skipped: they progress every step.
+
+Pages are allocated for a whole prompt when it is admitted (decode pages one at a time). When
+a decode lacks pages the request last in order is preempted: its pages are freed, its prefill
+record dropped (``PrefillTracker.reset``), it keeps its tokens and images and is recomputed
+later. Nothing is lost at any point of a chunked or batched prefill.
 """
 
 from __future__ import annotations
 
+import bisect
 import itertools
-from collections import deque
-from dataclasses import dataclass, field
 
 from vllm.config import SchedulerConfig
 from vllm.core.block_manager import BlockManager
+from vllm.core.prefill_tracker import PrefillProgress, PrefillTracker
+from vllm.core.scheduler_output import EncoderWork, PrefillChunk, SchedulerOutput
 from vllm.core.sequence import Request, Sequence, SequenceStatus
 from vllm.logger import init_logger
 
 logger = init_logger(__name__)
+
+# How many steps a waiting request that does not fit lets later ones go first.
+MAX_SKIPPED_STEPS = 4
+# Waiting requests whose images may be encoded ahead at once (each holds its vision tokens).
+MAX_ENCODED_AHEAD = 2
+_WAITS_FOR_PARENT = -1  # a sibling forked at admission, sampled by its parent's last chunk
 
 
 class RequestTooLarge(ValueError):
     """The request can never be scheduled with this configuration."""
 
 
-@dataclass
-class SchedulerOutput:
-    """What the runner executes in one step."""
-
-    is_prefill: bool
-    prefill_seqs: list[Sequence] = field(default_factory=list)  # sequences whose tokens are fed
-    samplers: list[list[Sequence]] = field(default_factory=list)  # per prefill seq: who samples
-    decode_seqs: list[Sequence] = field(default_factory=list)
-    new_pages: list[tuple[Sequence, int]] = field(default_factory=list)  # decode appends
-    page_copies: list[tuple[int, int]] = field(default_factory=list)  # after the forward
-    preempted: list[Request] = field(default_factory=list)
-    sliced: bool = False  # a prefill spread over the decode steps that follow its admission
-
-    @property
-    def num_seqs(self) -> int:
-        return len(self.prefill_seqs) if self.is_prefill else len(self.decode_seqs)
-
-
 class Scheduler:
-    """Owns the waiting and running queues and the block manager."""
+    """Owns the waiting and running queues, the block manager and the prefill records."""
 
     def __init__(self, config: SchedulerConfig, block_manager: BlockManager,
-                 tiles_per_image: int) -> None:
+                 tiles_per_image: int, encoder_layers_per_image: int) -> None:
         self.config = config
         self.bm = block_manager
         self.tiles_per_image = tiles_per_image
-        self.waiting: deque[Request] = deque()
+        self.tracker = PrefillTracker(encoder_layers_per_image)
+        self.waiting: list[Request] = []  # in service order (``_key``)
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
         self._seq_ids = itertools.count()
+        self._arrivals = itertools.count()
+        self._skipped: dict[str, int] = {}  # waiting request -> steps it let others go first
         self.num_preemptions = 0
-        self._last_was_prefill = False
-        # A prefill admitted but spread over decode steps (``prefill_layers_per_step``); it is
-        # handed out again as a step once ``sliced_ready`` is set or nothing else can decode.
-        self.sliced_prefill: SchedulerOutput | None = None
-        self.sliced_ready = False
 
     # ----------------------------------------------------------------- admission
     def check_fits(self, request: Request) -> None:
         """Raises :class:`RequestTooLarge` if no state of the engine could ever run it."""
         c, n = self.config, request.params.n
         prompt = len(request.inputs.prompt_token_ids)
-        if prompt > c.max_num_batched_tokens:
+        if not c.enable_chunked_prefill and prompt > c.max_num_batched_tokens:
             raise RequestTooLarge(f"The prompt has {prompt} tokens, more than "
-                                  f"max_num_batched_tokens ({c.max_num_batched_tokens}).")
+                                  f"max_num_batched_tokens ({c.max_num_batched_tokens}) "
+                                  "without chunked prefill.")
         if n > c.max_num_seqs:
             raise RequestTooLarge(f"n={n} exceeds max_num_seqs ({c.max_num_seqs}).")
         tiles = request.inputs.num_images * self.tiles_per_image
@@ -99,8 +100,19 @@ class Scheduler:
             raise ValueError(f"request id {request.request_id!r} is already in use")
         seq = Sequence(next(self._seq_ids), request, 0, list(request.inputs.prompt_token_ids))
         request.seqs = [seq]
+        request.arrival_index = next(self._arrivals)
         self.requests[request.request_id] = request
-        self.waiting.append(request)
+        self._enqueue(request)
+
+    def _key(self, request: Request) -> tuple:
+        order = (request.arrival_time, request.arrival_index)
+        if self.config.scheduling_policy == "priority":
+            return (request.priority, *order)
+        return order
+
+    def _enqueue(self, request: Request) -> None:
+        keys = [self._key(r) for r in self.waiting]
+        self.waiting.insert(bisect.bisect_right(keys, self._key(request)), request)
 
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
@@ -110,72 +122,22 @@ class Scheduler:
 
     # ----------------------------------------------------------------- scheduling
     def schedule(self, lookahead: bool = False) -> SchedulerOutput | None:
-        """The next step. With ``lookahead`` (a step is still in flight, its results unread)
-        only a decode step that needs no admission decision and no preemption is scheduled;
-        None tells the caller to collect the in-flight step first."""
-        if self.sliced_prefill is not None and (self.sliced_ready
-                                                or not self._decode_candidates()):
-            out = self._emit_sliced()
-        elif lookahead:
-            out = self._schedule_lookahead()
-        elif self._decode_turn():
-            out = self._schedule_decode()
-        else:
-            out = self._schedule_prefill()
-            if out is None and self.running:
-                out = self._schedule_decode()
-        if out is not None:
-            self._last_was_prefill = out.is_prefill
-        return out
-
-    @property
-    def interleaving(self) -> bool:
-        """Sequences are decoding and prefill steps are bounded and alternate with decodes."""
-        return self.config.decode_interleave_tokens > 0 and bool(self.running)
-
-    def _emit_sliced(self) -> SchedulerOutput:
-        out = self.sliced_prefill
-        assert out is not None
-        self.clear_sliced()
-        return out
-
-    def clear_sliced(self) -> None:
-        """Forgets the spread prefill (emitted, failed or cancelled); its sequences decode."""
-        if self.sliced_prefill is not None:
-            for group in self.sliced_prefill.samplers:
-                for s in group:
-                    s.prefilling = False
-        self.sliced_prefill, self.sliced_ready = None, False
-
-    def _cancel_sliced(self, keep: Request | None) -> None:
-        """A request of the spread prefill is preempted or aborted: the others go back to
-        the queue too (their prefill never ran to the end)."""
-        out = self.sliced_prefill
-        assert out is not None
-        self.clear_sliced()
-        for req in {id(s.request): s.request for s in out.prefill_seqs}.values():
-            if req is not keep and req in self.running:
-                self._preempt(req)
-
-    def _in_sliced(self, request: Request) -> bool:
-        out = self.sliced_prefill
-        return out is not None and any(s.request is request for s in out.prefill_seqs)
-
-    def _decode_turn(self) -> bool:
-        return self.interleaving and self._last_was_prefill
-
-    def needs_encoding(self, request: Request) -> bool:
-        """An image request that may not be admitted before its images are encoded."""
-        return (self.interleaving and self.config.encoder_layers_per_step > 0
-                and request.has_images and request.encoded_images is None)
-
-    def next_to_encode(self, max_ready: int = 2) -> Request | None:
-        """The first waiting request to encode ahead of its prefill (None while ``max_ready``
-        encoded requests already wait, which bounds the memory they hold)."""
-        ready = sum(1 for r in self.waiting if r.encoded_images is not None)
-        if ready >= max_ready:
+        """The next step, or None when there is nothing to run. With ``lookahead`` (a step is
+        still in flight, its results unread) a step that would need a preemption, or a decode
+        left out for a request that waited too long, is not scheduled (None): the caller
+        collects the in-flight step first and asks again."""
+        out = SchedulerOutput()
+        seqs = self._decode_candidates()
+        if self._decode_yields(seqs):
+            if lookahead:
+                return None
+            seqs = []
+        elif not self._fit_decode(seqs, out, lookahead):
             return None
-        return next((r for r in self.waiting if self.needs_encoding(r)), None)
+        self._schedule_prefill(out, self.config.max_num_batched_tokens - len(out.decode_seqs))
+        self._schedule_encoder(out)
+        assert out.num_tokens <= self.config.max_num_batched_tokens
+        return None if out.is_empty and not out.preempted else out
 
     def _will_finish_by_length(self, s: Sequence) -> bool:
         """Known on the host: the in-flight token completes the sequence."""
@@ -185,128 +147,206 @@ class Scheduler:
 
     def _decode_candidates(self) -> list[Sequence]:
         return [s for r in self.running for s in r.unfinished_seqs()
-                if not s.prefilling and not self._will_finish_by_length(s)]
+                if not self.tracker.is_prefilling(s) and not self._will_finish_by_length(s)]
 
-    def _schedule_lookahead(self) -> SchedulerOutput | None:
-        if (self.waiting and not self._decode_turn() and self.sliced_prefill is None
-                and not all(self.needs_encoding(r) for r in self.waiting)):
-            # An admission is due. While interleaving it is made without the in-flight results
-            # (conservatively: sequences finishing in flight still count), so the host launches
-            # the prefill while the GPU still runs the previous step; None if it does not fit.
-            return self._schedule_prefill() if self.interleaving else None
-        seqs = self._decode_candidates()
-        need = sum(1 for s in seqs if self.bm.needs_new_page(s))
-        if not seqs or need > self.bm.pool.num_free:
-            return None
-        out = SchedulerOutput(is_prefill=False, decode_seqs=seqs)
-        out.new_pages = [(s, self.bm.append_page(s)) for s in seqs if self.bm.needs_new_page(s)]
-        return out
+    def _fit_decode(self, seqs: list[Sequence], out: SchedulerOutput, lookahead: bool) -> bool:
+        """Allocates the decode's new pages, preempting the requests last in order while
+        they lack (not with ``lookahead``: False then)."""
+        while sum(1 for s in seqs if self.bm.needs_new_page(s)) > self.bm.pool.num_free:
+            if lookahead:
+                return False
+            victim = max(self.running, key=self._key)
+            self._preempt(victim)
+            out.preempted.append(victim)
+            seqs = self._decode_candidates()
+        for s in seqs:
+            if self.bm.needs_new_page(s):
+                out.new_pages.append((s, self.bm.append_page(s)))
+        out.decode_seqs = seqs
+        return True
+
+    def _decode_yields(self, decode: list[Sequence]) -> bool:
+        """A waiting request was passed over ``MAX_SKIPPED_STEPS`` times and its whole prompt
+        fits the budget only without the decode: this step runs no decode."""
+        c = self.config
+        if c.enable_chunked_prefill or not decode:
+            return False
+        head = next((r for r in self.waiting
+                     if self._skipped.get(r.request_id, 0) >= MAX_SKIPPED_STEPS), None)
+        if head is None:
+            return False
+        tokens = len(head.unfinished_seqs()[0])
+        budget = c.max_num_batched_tokens
+        return (budget - len(decode) < tokens <= budget
+                and self._admission_pages(head) <= self.bm.pool.num_free)
+
+    def _admission_pages(self, req: Request) -> int:
+        pages = self.bm.pages_needed_for_prefill(req, req.unfinished_seqs())
+        return pages + (0 if req.forked else req.params.n - 1)  # children's last-page copies
 
     def _seqs_after_prefill(self, request: Request) -> int:
-        return len(request.unfinished_seqs()) + (
-            0 if request.forked else request.params.n - 1)
+        return len(request.unfinished_seqs()) + (0 if request.forked else request.params.n - 1)
 
-    def _schedule_prefill(self) -> SchedulerOutput | None:
+    def _schedule_prefill(self, out: SchedulerOutput, budget: int) -> None:
         c = self.config
-        if self.sliced_prefill is not None:
-            return None  # one spread prefill at a time
-        out = SchedulerOutput(is_prefill=True,
-                              sliced=self.interleaving and c.prefill_layers_per_step > 0)
-        tokens = tiles = pages = 0
-        max_tokens = c.max_num_batched_tokens
-        if self.interleaving:
-            max_tokens = min(max_tokens, c.decode_interleave_tokens)
+        tiles = c.max_num_encoder_tiles
+        carried: set[str] = set()  # requests whose vision tokens this step carries
+        for req in sorted((r for r in self.running if self._prefilling(r)), key=self._key):
+            budget, tiles = self._chunks(req, out, budget, tiles, carried)
         num_seqs = self.num_running_seqs()
-        admitted = []
-        for req in self.waiting:
-            if self.needs_encoding(req):
-                continue  # its images are being encoded; later requests may go first
-            seqs = req.unfinished_seqs()
-            n_tok = sum(len(s) for s in seqs)
-            n_tiles = req.inputs.num_images * self.tiles_per_image
-            n_pages = self.bm.pages_needed_for_prefill(req, seqs)
-            if not req.forked:
-                n_pages += req.params.n - 1  # each child's copy of a partial last page
-            if (num_seqs + self._seqs_after_prefill(req) > c.max_num_seqs
-                    or (admitted and tokens + n_tok > max_tokens)
-                    or tokens + n_tok > c.max_num_batched_tokens
-                    or tiles + n_tiles > c.max_num_encoder_tiles
-                    or pages + n_pages > self.bm.pool.num_free):
+        passed: list[Request] = []
+        overtaken: set[str] = set()
+        for req in list(self.waiting):
+            if budget <= 0:
                 break
-            admitted.append(req)
-            tokens, tiles, pages = tokens + n_tok, tiles + n_tiles, pages + n_pages
+            if req in out.preempted:
+                continue  # preempted for this step's decode: not re-admitted in it
+            if self._needs_encoding(req):
+                continue  # its images are being encoded; it is not passed over
+            if num_seqs + self._seqs_after_prefill(req) > c.max_num_seqs:
+                break
+            if not self._fits(req, budget, tiles, carried):
+                if self._skipped.get(req.request_id, 0) >= MAX_SKIPPED_STEPS:
+                    break  # it waited long enough: nothing behind it goes first
+                passed.append(req)
+                continue
+            self._admit(req)
             num_seqs += self._seqs_after_prefill(req)
-        for req in admitted:
-            self.waiting.remove(req)
-            self._admit(req, req.unfinished_seqs(), out)
-        if not out.prefill_seqs:
-            return None
-        if out.sliced:
-            self.sliced_prefill = out
-            for group in out.samplers:
-                for s in group:
-                    s.prefilling = True
-        return out
+            budget, tiles = self._chunks(req, out, budget, tiles, carried)
+            overtaken.update(r.request_id for r in passed)
+        for rid in overtaken:  # later requests went ahead of them in this step
+            self._skipped[rid] = self._skipped.get(rid, 0) + 1
 
-    def _admit(self, req: Request, seqs: list[Sequence], out: SchedulerOutput) -> None:
+    def _prefilling(self, req: Request) -> bool:
+        return any(self.tracker.is_prefilling(s) for s in req.unfinished_seqs())
+
+    def _needs_encoding(self, req: Request) -> bool:
+        if not req.has_images or self.config.encoder_layers_per_step == 0:
+            return False
+        p = self.tracker.get(req)
+        return p is None or not p.encoded
+
+    def _chunk_tiles(self, req: Request, start: int, end: int, carried: set[str]) -> int:
+        """Vision tiles a chunk adds to the step (its request's images, once per step)."""
+        if req.request_id in carried or not req.inputs.sees_images(start, end):
+            return 0
+        return req.inputs.num_images * self.tiles_per_image
+
+    def _fits(self, req: Request, budget: int, tiles: int, carried: set[str]) -> bool:
+        """Whether the request's first piece fits what is left of the step: its first
+        sequence whole without chunking (a recomputed request's siblings may follow in later
+        steps), any part of it with."""
+        seq = req.unfinished_seqs()[0]
+        if self._admission_pages(req) > self.bm.pool.num_free:
+            return False
+        if not self.config.enable_chunked_prefill and len(seq) > budget:
+            return False
+        return self._chunk_tiles(req, 0, min(len(seq), budget), carried) <= tiles
+
+    def _chunks(self, req: Request, out: SchedulerOutput, budget: int, tiles: int,
+                carried: set[str]) -> tuple[int, int]:
+        """Schedules the request's next chunks within ``budget`` tokens and ``tiles``."""
+        p = self.tracker.get(req)
+        assert p is not None
+        for s in req.unfinished_seqs():
+            start = p.computed.get(s.seq_id)
+            if start is None or start == _WAITS_FOR_PARENT:
+                continue
+            if budget <= 0:
+                break
+            end = min(len(s), start + budget)
+            if end < len(s) and not self.config.enable_chunked_prefill:
+                break  # whole sequences only: this one goes in a later step
+            need = self._chunk_tiles(req, start, end, carried)
+            if need > tiles:
+                break  # its vision does not fit this step: the next one (it goes first)
+            if need:
+                carried.add(req.request_id)
+                tiles -= need
+            progress, start, last = self.tracker.chunk(s, end)
+            chunk = PrefillChunk(s, start, end, progress)
+            if last:
+                chunk.samplers = [s] + self._release_children(progress, s, out)
+            out.chunks.append(chunk)
+            budget -= end - start
+        self.tracker.finish_if_done(req)
+        return budget, tiles
+
+    def _admit(self, req: Request) -> None:
+        self.waiting.remove(req)
+        self._skipped.pop(req.request_id, None)
+        seqs = req.unfinished_seqs()
         self.bm.allocate_prefill(req, seqs)
         for s in seqs:
             s.status = SequenceStatus.RUNNING
-            out.prefill_seqs.append(s)
-            out.samplers.append([s])
+        progress = self.tracker.admit(req, seqs)
         if not req.forked and req.params.n > 1:
             parent = seqs[0]
+            children = []
             for i in range(1, req.params.n):
                 child = Sequence(next(self._seq_ids), req, i, list(parent.token_ids),
                                  status=SequenceStatus.RUNNING)
                 page = self.bm.fork(parent, child)
                 if page is not None:
-                    out.page_copies.append((parent.block_table[-1], page))
+                    progress.page_copies.append((parent.block_table[-1], page))
                 req.seqs.append(child)
-                out.samplers[-1].append(child)
+                progress.computed[child.seq_id] = _WAITS_FOR_PARENT
+                children.append(child)
+            progress.children[parent.seq_id] = children
         req.forked = True
         self.running.append(req)
 
-    def _schedule_decode(self) -> SchedulerOutput:
-        out = SchedulerOutput(is_prefill=False)
-        while True:
-            seqs = self._decode_candidates()
-            need = sum(1 for s in seqs if self.bm.needs_new_page(s))
-            if need <= self.bm.pool.num_free or len(self.running) <= 1:
-                break
-            victim = max(self.running, key=lambda r: r.arrival_time)
-            self._preempt(victim)
-            out.preempted.append(victim)
-        if need > self.bm.pool.num_free:
-            # Cannot happen for requests that passed check_fits; preempt the last one too.
-            victim = self.running[0]
-            self._preempt(victim)
-            out.preempted.append(victim)
-            seqs = []
-        for s in seqs:
-            if self.bm.needs_new_page(s):
-                out.new_pages.append((s, self.bm.append_page(s)))
-        out.decode_seqs = seqs
-        return out
+    @staticmethod
+    def _release_children(progress: PrefillProgress, parent: Sequence,
+                          out: SchedulerOutput) -> list[Sequence]:
+        """The siblings forked from ``parent`` sample from its last chunk and decode after."""
+        children = progress.children.pop(parent.seq_id, [])
+        for child in children:
+            progress.computed.pop(child.seq_id, None)
+        if children:
+            out.page_copies += progress.page_copies
+            progress.page_copies = []
+        return children
 
+    def _schedule_encoder(self, out: SchedulerOutput) -> None:
+        budget = self.config.encoder_layers_per_step
+        if budget == 0:
+            return
+        ahead = self.tracker.num_encoding_ahead(self.waiting)
+        for req in self.waiting:
+            if budget <= 0:
+                break
+            if not req.has_images:
+                continue
+            p = self.tracker.get(req)
+            if p is not None and p.encoded:
+                continue
+            if p is None:
+                if ahead >= MAX_ENCODED_AHEAD:
+                    continue  # those already under way go on (a later one may be first now)
+                ahead += 1
+                left = req.inputs.num_images * self.tracker.encoder_layers_per_image
+            else:
+                left = p.encoder_layers_left
+            layers = min(budget, max(left, 1))
+            out.encoder_work.append(EncoderWork(self.tracker.grant_encoder(req, layers), layers))
+            budget -= layers
+
+    # ----------------------------------------------------------------- preemption
     def preempt(self, request: Request) -> None:
         """Frees a running request's pages and queues it for recomputation."""
         self._preempt(request)
 
     def _preempt(self, request: Request) -> None:
-        if self._in_sliced(request):
-            self._cancel_sliced(keep=request)
         self.running.remove(request)
+        self.tracker.reset(request)
         for s in request.unfinished_seqs():
             self.bm.free_seq(s)
             s.status = SequenceStatus.WAITING
         self.bm.free_cross(request)
         request.num_preemptions += 1
         self.num_preemptions += 1
-        # Back to the queue in arrival order, ahead of anything that arrived later.
-        index = next((i for i, r in enumerate(self.waiting)
-                      if r.arrival_time > request.arrival_time), len(self.waiting))
-        self.waiting.insert(index, request)
+        self._enqueue(request)
         logger.debug("Preempted request %s (recompute)", request.request_id)
 
     # ----------------------------------------------------------------- completion
@@ -320,6 +360,7 @@ class Scheduler:
         done = [r for r in self.running if r.finished]
         for r in done:
             self.running.remove(r)
+            self.tracker.reset(r)
             self.bm.free_cross(r)
             del self.requests[r.request_id]
         return done
@@ -329,8 +370,8 @@ class Scheduler:
         req = self.requests.pop(request_id, None)
         if req is None:
             return None
-        if self._in_sliced(req):
-            self._cancel_sliced(keep=req)
+        self.tracker.reset(req)
+        self._skipped.pop(request_id, None)
         for s in req.seqs:
             if s.block_table:
                 self.bm.free_seq(s)

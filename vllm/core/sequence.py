@@ -52,7 +52,6 @@ class Sequence:
     detokenizer: Any = None
     generator: Any = None
     inflight: int = 0  # tokens sampled on the device whose results the host has not read yet
-    prefilling: bool = False  # admitted; its prefill is spread over steps and not done yet
     # Its grammar matcher (``guided_decoding.matcher.SequenceGrammar``) when the request has
     # a constraint: created at its first sample, kept in step with its output tokens (kept
     # over preemption; rebuilt from the tokens if it ever saw more than the sequence has).
@@ -82,10 +81,11 @@ class Request:
     inputs: ProcessedInputs
     params: Any  # SamplingParams
     arrival_time: float = field(default_factory=time.monotonic)
+    priority: int = 0  # --scheduling-policy priority: lower values are served first
+    arrival_index: int = 0  # the scheduler's arrival counter (ties of arrival_time)
     seqs: list[Sequence] = field(default_factory=list)
     cross_block_table: list[int] = field(default_factory=list)
     cross_written: bool = False
-    encoded_images: Any = None  # projected vision tokens encoded ahead of the prefill
     forked: bool = False  # siblings created (n > 1 after the first prefill)
     prompt_logprobs: list[dict[int, Any] | None] | None = None
     first_scheduled_time: float | None = None

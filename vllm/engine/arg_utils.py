@@ -42,6 +42,15 @@ IGNORED_OPTIONS: dict[str, str] = {
     "of its vision tokens",
     "tokenizer_mode": "the checkpoint's fast tokenizer (tokenizer.json) is always used",
 }
+# Serving defaults with chunked prefill (one place to change them; benchmarks/RESULTS.md has
+# the measurements). A step's work is a decode (a graph replay, ~7 ms for 32 rows of 11B on an
+# H200) plus what the budgets add. 512 tokens: the text GEMMs are compute-bound from a few
+# hundred rows on an H200, so larger chunks hardly raise prefill throughput, while each token
+# adds to the step (~17 ms for 512 tokens of 11B), and the p99 gap between tokens stays under
+# 60 ms. 8 image-layers: ~9 ms of the 11B vision tower (40 layers over 4 tiles, ~45 ms an
+# image), so no step carries a whole image and an image is ready in 5 steps.
+DEFAULT_CHUNKED_BATCHED_TOKENS = 512
+DEFAULT_ENCODER_LAYERS_PER_STEP = 8
 # Image-processor options a user may set (--mm-processor-kwargs); the tile size, resizing and
 # padding are the checkpoint's, since the vision tower is built for them.
 MM_PROCESSOR_OPTIONS = ("max_image_tiles", "resample", "do_convert_rgb", "do_rescale",
@@ -69,11 +78,12 @@ class EngineArgs:
     max_num_seqs: int | None = None
     max_num_batched_tokens: int | None = None
     max_num_encoder_tiles: int | None = None
-    # None: the serving defaults (256, 4); the offline ``LLM`` class passes 0 (prefill first,
-    # for throughput), as vLLM picks some scheduler defaults by usage context.
-    decode_interleave_tokens: int | None = None
+    # None: the serving defaults (chunked prefill, encoder spread over steps); the offline
+    # ``LLM`` class passes False (prefill first, for throughput), as vLLM picks some
+    # scheduler defaults by usage context.
+    enable_chunked_prefill: bool | None = None
     encoder_layers_per_step: int | None = None
-    prefill_layers_per_step: int | None = None
+    scheduling_policy: str = "fcfs"
     gpu_memory_utilization: float = 0.9
     enforce_eager: bool = False
     cuda_graph_sizes: list[int] | None = None
@@ -105,7 +115,6 @@ class EngineArgs:
     swap_space: float = 4
     max_seq_len_to_capture: int = 8192
     enable_prefix_caching: bool | None = None
-    enable_chunked_prefill: bool | None = None
     tokenizer_mode: str = "auto"
 
     @classmethod
@@ -151,8 +160,6 @@ class EngineArgs:
         if self.enable_prefix_caching:
             logger.warning("Prefix caching is not supported for this encoder-decoder model; "
                            "ignoring enable_prefix_caching.")
-        if self.enable_chunked_prefill:
-            logger.warning("Chunked prefill is not supported; prompts are prefilled whole.")
         cache_gb = self.mm_processor_cache_gb
         if isinstance(cache_gb, bool) or not isinstance(cache_gb, (int, float)) \
                 or not 0 <= cache_gb < float("inf"):
@@ -291,14 +298,20 @@ class EngineArgs:
         max_num_seqs = self.max_num_seqs if self.max_num_seqs is not None else 256
         if max_num_seqs < 1:
             raise ValueError(f"max_num_seqs must be >= 1, got {max_num_seqs}")
+        chunked = True if self.enable_chunked_prefill is None else self.enable_chunked_prefill
         batched = self.max_num_batched_tokens
         if batched is None:
-            batched = max(max_model_len, 8192)
-        elif batched < max_model_len:
+            batched = (DEFAULT_CHUNKED_BATCHED_TOKENS if chunked
+                       else max(max_model_len, 8192))
+        elif not chunked and batched < max_model_len:
             raise ValueError(
                 f"max_num_batched_tokens ({batched}) is smaller than max_model_len "
-                f"({max_model_len}); prompts are prefilled whole, so raise "
-                "--max-num-batched-tokens or lower --max-model-len")
+                f"({max_model_len}); without chunked prefill prompts are prefilled whole, so "
+                "raise --max-num-batched-tokens, lower --max-model-len or "
+                "--enable-chunked-prefill")
+        if batched < max_num_seqs:
+            raise ValueError(f"max_num_batched_tokens ({batched}) must be at least "
+                             f"max_num_seqs ({max_num_seqs}): every decode token counts")
         tiles = self.max_num_encoder_tiles
         if tiles is None:
             tiles = max(limit_images, 4) * max_tiles
@@ -307,16 +320,22 @@ class EngineArgs:
                 f"max_num_encoder_tiles ({tiles}) cannot encode one request with "
                 f"{limit_images} image(s) of {max_tiles} tiles; raise it or lower "
                 "--limit-mm-per-prompt")
-        interleave = {"decode_interleave_tokens": 256, "encoder_layers_per_step": 4,
-                      "prefill_layers_per_step": 5}
-        for name, default in interleave.items():
-            value = getattr(self, name)
-            interleave[name] = default if value is None else value
-            if interleave[name] < 0:
-                raise ValueError(f"{name} must be >= 0, got {value}")
+        layers = self.encoder_layers_per_step
+        if layers is None:
+            layers = DEFAULT_ENCODER_LAYERS_PER_STEP if chunked else 0
+        if layers < 0:
+            raise ValueError(f"encoder_layers_per_step must be >= 0, got {layers}")
+        if 0 < layers < limit_images:
+            raise ValueError(f"encoder_layers_per_step ({layers}) must be 0 or at least the "
+                             f"images per prompt ({limit_images}): a step runs at least one "
+                             "encoder layer over all of a request's images")
+        if self.scheduling_policy not in ("fcfs", "priority"):
+            raise ValueError(f"scheduling_policy must be fcfs or priority, got "
+                             f"{self.scheduling_policy!r}")
         return SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=batched,
                                max_model_len=max_model_len, max_num_encoder_tiles=tiles,
-                               **interleave)
+                               enable_chunked_prefill=chunked, encoder_layers_per_step=layers,
+                               scheduling_policy=self.scheduling_policy)
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

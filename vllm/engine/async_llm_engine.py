@@ -94,6 +94,7 @@ class _Add:
     processed: Any
     params: SamplingParams
     stream: _Stream
+    priority: int = 0
     grammar: Any = None  # the compiled constraint (``LLMEngine.compile_grammar``), if any
 
 
@@ -195,9 +196,8 @@ class AsyncLLMEngine:
         return await asyncio.to_thread(self.engine.compile_grammar, params)
 
     async def generate(self, prompt: Any, sampling_params: SamplingParams, request_id: str,
-                       processed: Any = None,
-                       ticket: QueueTicket | None = None,
-                       grammar: Any = None) -> AsyncIterator[RequestOutput]:
+                       processed: Any = None, ticket: QueueTicket | None = None,
+                       priority: int = 0, grammar: Any = None) -> AsyncIterator[RequestOutput]:
         """Streams a request's outputs; aborts it if the consumer goes away. ``ticket`` (from
         :meth:`reserve`) is closed at the first output, or when the stream ends. A
         constrained request's ``grammar`` comes from :meth:`compile_grammar` (compiled here
@@ -212,7 +212,8 @@ class AsyncLLMEngine:
             if request_id in self._streams:
                 raise ValueError("the request id is already in use")
             self._streams[request_id] = stream
-            self._commands.put(_Add(request_id, processed, sampling_params, stream, grammar))
+            self._commands.put(_Add(request_id, processed, sampling_params, stream, priority,
+                                    grammar))
         except BaseException:
             if ticket is not None:
                 ticket.close()
@@ -258,7 +259,8 @@ class AsyncLLMEngine:
             "graph_replays": dict(runner.stats.graph_replays),
             "eager_decode_steps": runner.stats.eager_decode_steps,
             "images_encoded_ahead": runner.stats.images_encoded_ahead,
-            "encoder_steps": runner.stats.encoder_chunks,
+            "encoder_steps": runner.stats.encoder_steps,
+            "prefill_chunks": runner.stats.prefill_chunks,
             "requests": self.engine.stats.snapshot(),
             "cache_config": self.cache_config_info(),
         }
@@ -286,7 +288,7 @@ class AsyncLLMEngine:
             return
         try:
             engine.add_request(cmd.request_id, None, cmd.params, processed=cmd.processed,
-                               grammar=cmd.grammar)
+                               priority=cmd.priority, grammar=cmd.grammar)
         except Exception as e:  # bad request: fail it alone
             cmd.stream.put(e)
 

@@ -152,34 +152,36 @@ _FLAG_SPECS: dict[str, dict[str, Any]] = {
     },
     "max_num_batched_tokens": {
         "type": int,
-        "help": "Maximum number of tokens per iteration; at least --max-model-len (prompts are "
-        "prefilled whole).",
-        "default_text": "max(--max-model-len, 8192)",
+        "help": "Maximum number of tokens per iteration, decode and prefill together. With "
+        "chunked prefill a longer prompt is prefilled over several iterations; without, it "
+        "must be at least --max-model-len (prompts are prefilled whole).",
+        "default_text": "512 with chunked prefill, else max(--max-model-len, 8192)",
     },
     "max_num_encoder_tiles": {
         "type": int,
-        "help": "Maximum number of image tiles encoded per iteration.",
+        "help": "Maximum number of image tiles whose vision tokens one iteration's prefill "
+        "carries (and encodes, when --encoder-layers-per-step is 0).",
         "default_text": "max tiles per image x max(images per prompt, 4)",
     },
-    "decode_interleave_tokens": {
-        "type": int,
-        "help": "While sequences decode, a prefill step carries at most this many prompt "
-        "tokens (at least one request) and a decode step follows it, bounding the gap between "
-        "two tokens of a running request. 0: prefill first, whole batches.",
-        "default_text": "256; the offline LLM class: 0",
+    "enable_chunked_prefill": {
+        "action": argparse.BooleanOptionalAction,
+        "help": "Prefill a prompt over several iterations within --max-num-batched-tokens, "
+        "next to the decode of running requests. Off: prompts are prefilled whole, as many "
+        "per iteration as the budget holds (prefill first, for throughput).",
+        "default_text": "on; the offline LLM class: off",
     },
     "encoder_layers_per_step": {
         "type": int,
-        "help": "While sequences decode, images of waiting requests are encoded this many "
-        "image-layers per decode step, ahead of their prefill. 0: encode inside the prefill.",
-        "default_text": "4; the offline LLM class: 0",
+        "help": "Image-layers of the vision encoder per iteration for waiting requests (one "
+        "encoder layer over one image's tiles is one image-layer), so no iteration carries a "
+        "whole image; at least the images per prompt. 0: encode images whole inside the "
+        "prefill.",
+        "default_text": "8 with chunked prefill, else 0",
     },
-    "prefill_layers_per_step": {
-        "type": int,
-        "help": "While sequences decode (interleaved prefill), run an admitted prefill this "
-        "many text layers per decode step instead of in one step, so its eager launch is "
-        "spread out (a decode step runs next to each slice). 0: one step.",
-        "default_text": "5; the offline LLM class: 0",
+    "scheduling_policy": {
+        "choices": ("fcfs", "priority"),
+        "help": "fcfs: requests are served in arrival order. priority: by the request's "
+        "priority (lower first), then arrival.",
     },
     "gpu_memory_utilization": {
         "type": float,
@@ -290,10 +292,6 @@ _FLAG_SPECS: dict[str, dict[str, Any]] = {
     "enable_prefix_caching": {
         "action": argparse.BooleanOptionalAction,
         "help": "Accepted; prefix caching is off for this model.",
-    },
-    "enable_chunked_prefill": {
-        "action": argparse.BooleanOptionalAction,
-        "help": "Accepted; prompts are prefilled whole.",
     },
     "guided_decoding_backend": {
         "help": "Library that compiles structured-output constraints (JSON schemas, regexes, "

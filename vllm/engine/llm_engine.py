@@ -15,7 +15,8 @@ from typing import Any
 
 from vllm.config import VllmConfig
 from vllm.core.block_manager import BlockManager
-from vllm.core.scheduler import Scheduler, SchedulerOutput
+from vllm.core.scheduler import Scheduler
+from vllm.core.scheduler_output import SchedulerOutput
 from vllm.core.sequence import Request
 from vllm.engine.arg_utils import EngineArgs
 from vllm.engine.errors import DeviceError, device_error, is_device_error
@@ -30,7 +31,7 @@ from vllm.sampling_params import SamplingParams
 from vllm.transformers_utils.tokenizer import get_image_processor, get_tokenizer
 from vllm.worker.loaded_model import load_model
 from vllm.worker.memory import determine_num_pages, fit_config_to_pages
-from vllm.worker.model_runner import EncoderJob, ModelRunner, RunnerStats
+from vllm.worker.model_runner import ModelRunner, RunnerStats
 from vllm.worker.step_results import StepHandle
 
 logger = init_logger(__name__)
@@ -76,8 +77,10 @@ class LLMEngine:
             image_cache_bytes=int(mc.mm_processor_cache_gb * (1 << 30)))
         lo = self.runner.layout
         self.block_manager = BlockManager(num_pages, lo.block_size, lo.cross_block_size)
+        vision = mc.spec.vision
         self.scheduler = Scheduler(config.scheduler_config, self.block_manager,
-                                   mc.spec.vision.max_num_tiles)
+                                   vision.max_num_tiles,
+                                   vision.num_hidden_layers + vision.num_global_layers)
         self.generation_config = load_generation_config(config)
         eos = set(mc.spec.text.eos_token_ids)
         if self.tokenizer.eos_token_id is not None:
@@ -91,8 +94,6 @@ class LLMEngine:
         self._pending: StepHandle | None = None
         self._grammar_compiler: GrammarCompilerService | None = None
         self._compiler_lock = threading.Lock()
-        self._encoder_job: EncoderJob | None = None
-        self._after_prefill = False  # the last launched step was a prefill
         self._last_log = time.monotonic()
         self._tokens_since_log = [0, 0]
         self._host_at_log = (0.0, 0)
@@ -138,10 +139,13 @@ class LLMEngine:
 
     def add_request(self, request_id: str, prompt: Any, params: SamplingParams | None = None,
                     arrival_time: float | None = None, processed: Any = None,
-                    grammar: Any = None) -> None:
+                    grammar: Any = None, priority: int = 0) -> None:
         """Validates and queues a request; raises ValueError on bad input. A constrained
         request's grammar is compiled here unless given (``compile_grammar``, which the
-        server runs in a thread before the request reaches the engine loop)."""
+        server runs in a thread before the request reaches the engine loop). ``priority``
+        (``--scheduling-policy priority``): lower values are served first."""
+        if priority != 0 and self.config.scheduler_config.scheduling_policy != "priority":
+            raise ValueError(f"priority={priority} needs scheduling_policy='priority'")
         params = params.clone() if params is not None else self.default_sampling_params()
         params.update_from_generation_config(
             {"eos_token_id": self.generation_config.get("eos_token_id")}, self.eos_token_ids)
@@ -149,7 +153,7 @@ class LLMEngine:
         if params.guided_decoding is not None and grammar is None:
             grammar = self.compile_grammar(params)
         inputs = processed if processed is not None else self.process_inputs(prompt)
-        request = Request(request_id, inputs, params)
+        request = Request(request_id, inputs, params, priority=int(priority))
         request.grammar = grammar if params.guided_decoding is not None else None
         if arrival_time is not None:
             request.arrival_time = arrival_time
@@ -201,7 +205,6 @@ class LLMEngine:
                 for s in req.seqs:
                     self.runner.release(s)
                 self.output_processor.forget(req)
-        self._drop_stale_prefill()
         if self._pending is not None and not self.scheduler.has_unfinished():
             self._collect(self._take_pending())  # only aborted sequences were in flight
 
@@ -225,9 +228,9 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         """Schedules and launches one step; returns the outputs that became available.
 
-        With async scheduling a decode step is launched while the previous step's results are
-        still in flight (when no admission or preemption decision needs them), and the
-        previous step is processed while the new one runs; outputs lag one step.
+        With async scheduling the next step is launched while the previous step's results are
+        still in flight (unless a preemption needs them), and the previous step is processed
+        while the new one runs; outputs lag one step.
 
         Raises :class:`~vllm.engine.errors.DeviceError` when the GPU failed: that is never
         pinned on a request, and no further step can run in this process.
@@ -243,31 +246,20 @@ class LLMEngine:
 
     def _step(self) -> list[RequestOutput]:
         outputs: list[RequestOutput] = []
-        out = self._schedule(outputs)
-        if out is not None and out.is_prefill and out.sliced and self.runner.prefill_job is None:
-            # Spread this prefill over the decode steps that follow: begin it now (inputs,
-            # embedding, the first layers), and run a decode step in this one.
-            self._mark_scheduled(out)
-            try:
-                self.runner.start_prefill(out)
-                self.runner.advance_prefill(self._prefill_layers)
-            except Exception as e:  # attributed below, or re-raised
-                self.runner.cancel_prefill()
-                self.scheduler.clear_sliced()
-                if self._pending is not None:
-                    outputs += self._collect(self._take_pending())
-                return outputs + self._isolate_failure(out, e)
-            out = self._schedule(outputs)
+        out = None
+        if self._pending is not None:
+            # Decided while the previous step runs, unless it needs that step's results.
+            out = self.scheduler.schedule(lookahead=True)
+            if out is None:
+                outputs += self._collect(self._take_pending())
+        if out is None:
+            out = self.scheduler.schedule()
         if out is None:
             return outputs
         self._release_preempted(out)
-        if out.num_seqs == 0:
+        if out.is_empty:
             return outputs  # everything running was preempted; the next step re-admits it
         self._mark_scheduled(out)
-        if out.is_prefill and self.scheduler.running:
-            # The GPU encodes while the host launches the (eager) prefill; the decode step
-            # right after a prefill then carries no encoder work.
-            outputs += self._advance_encoder()
         try:
             handle = self.runner.launch(out)
         except Exception as e:  # attributed below, or re-raised
@@ -276,8 +268,6 @@ class LLMEngine:
             return outputs + self._isolate_failure(out, e)
         for s in handle.result.seqs:
             s.inflight += 1
-        if out.is_prefill:
-            handle.result.num_prompt_tokens = sum(len(s) for s in out.prefill_seqs)
         previous, self._pending = self._pending, handle
         if handle.finish is not None:
             # Constrained rows: the previous step's tokens advance their matchers, then this
@@ -292,14 +282,6 @@ class LLMEngine:
                 for s in handle.result.seqs:
                     s.inflight -= 1
                 return outputs + self._isolate_failure(out, e)
-        if not out.is_prefill and self.runner.prefill_job is not None:
-            # The spread prefill's next layers, queued after this decode step's results.
-            if self.runner.advance_prefill(self._prefill_layers):
-                self.scheduler.sliced_ready = True
-        elif not out.is_prefill and not self._after_prefill:
-            # Queued after the step's results, so reading them does not wait for it.
-            outputs += self._advance_encoder()
-        self._after_prefill = out.is_prefill
         if previous is not None:
             outputs += self._collect(previous)
         if not self.async_scheduling:
@@ -307,57 +289,12 @@ class LLMEngine:
         self._maybe_log(out, handle.result)
         return outputs
 
-    def _schedule(self, outputs: list[RequestOutput]) -> SchedulerOutput | None:
-        """The next step: decided with a step in flight when possible, else after collecting
-        it (its outputs appended to ``outputs``)."""
-        out = None
-        if self._pending is not None:
-            out = self.scheduler.schedule(lookahead=True)
-            if out is None:
-                outputs += self._collect(self._take_pending())
-        if out is None:
-            out = self.scheduler.schedule()
-        self._drop_stale_prefill(launching=out)
-        return out
-
-    def _drop_stale_prefill(self, launching: SchedulerOutput | None = None) -> None:
-        """Drops the runner's spread prefill unless the scheduler still holds it or it is the
-        step about to be launched (which takes it): preempted, aborted or failed ones."""
-        job = self.runner.prefill_job
-        if job is not None and job.out is not self.scheduler.sliced_prefill \
-                and job.out is not launching:
-            self.runner.cancel_prefill()
-
     @staticmethod
     def _mark_scheduled(out: SchedulerOutput) -> None:
         now = time.time()
-        for s in out.prefill_seqs:
-            if s.request.first_scheduled_time is None:
-                s.request.first_scheduled_time = now
-
-    @property
-    def _prefill_layers(self) -> int:
-        return self.config.scheduler_config.prefill_layers_per_step
-
-    def _advance_encoder(self) -> list[RequestOutput]:
-        """Spends this decode step's encoder budget on the images of a waiting request."""
-        budget = self.config.scheduler_config.encoder_layers_per_step
-        job = self._encoder_job
-        if job is not None and job.request not in self.scheduler.waiting:
-            job = self._encoder_job = None  # admitted (encoded in its prefill) or aborted
-        if job is None:
-            request = self.scheduler.next_to_encode()
-            if request is None:
-                return []
-            try:
-                job = self.runner.start_encoder_job(request)
-            except Exception as e:  # its images cannot be encoded: fail it alone
-                return self._fail_request(request, e)
-            self._encoder_job = job
-        if self.runner.advance_encoder_job(job, budget):
-            job.request.encoded_images = job.output
-            self._encoder_job = None
-        return []
+        for c in out.chunks:
+            if c.seq.request.first_scheduled_time is None:
+                c.seq.request.first_scheduled_time = now
 
     def _fail_request(self, request: Request, error: Exception) -> list[RequestOutput]:
         if is_device_error(error):
@@ -370,16 +307,14 @@ class LLMEngine:
 
     def _isolate_failure(self, out: SchedulerOutput, error: Exception) -> list[RequestOutput]:
         """A step failed. Requests whose own inputs make sampling fail are failed alone;
-        the rest of a failed prefill is preempted (recomputed later), the rest of a failed
-        decode simply runs again (the same positions are recomputed). Anything that cannot
-        be pinned on a request is an engine failure and is re-raised, and so is a failed
+        the requests of the step's prefill are preempted (recomputed later), its decode
+        simply runs again (the same positions are recomputed). Anything that cannot be
+        pinned on a request is an engine failure and is re-raised, and so is a failed
         device, whatever else a request's own sampling inputs would raise now."""
         if is_device_error(error):
             raise device_error(error) from error
-        seqs = out.prefill_seqs if out.is_prefill else out.decode_seqs
-        requests = list({id(s.request): s.request for s in seqs}.values())
         guilty = []
-        for req in requests:
+        for req in out.requests:
             try:
                 self.runner.check_sampling(req.unfinished_seqs())
             except Exception as e:  # this request cannot be sampled alone
@@ -387,12 +322,12 @@ class LLMEngine:
         if not guilty:
             raise error
         failed_ids = {id(r) for r, _ in guilty}
-        if out.is_prefill:
-            for req in requests:
-                if id(req) not in failed_ids and req in self.scheduler.running:
-                    self.scheduler.preempt(req)
-                    for s in req.seqs:
-                        self.runner.release(s)
+        prefilled = {id(c.seq.request): c.seq.request for c in out.chunks}
+        for req in prefilled.values():
+            if id(req) not in failed_ids and req in self.scheduler.running:
+                self.scheduler.preempt(req)
+                for s in req.seqs:
+                    self.runner.release(s)
         results = []
         for req, e in guilty:
             results += self._fail_request(req, e)
@@ -413,8 +348,7 @@ class LLMEngine:
                 self.runner.release(s)
 
     def _maybe_log(self, out: SchedulerOutput, result: Any) -> None:
-        if out.is_prefill:
-            self._tokens_since_log[0] += sum(len(s) for s in out.prefill_seqs)
+        self._tokens_since_log[0] += out.num_prefill_tokens
         self._tokens_since_log[1] += len(result.seqs)
         now = time.monotonic()
         if not self.log_stats or now - self._last_log < 5.0:

@@ -2,17 +2,18 @@
 
 Capture and the memory profile do not reach every kernel variant a served request can hit:
 the prefill's cache writes, cross-attention with key splits (their count follows the prompt
-length), the sampler's general path, the spread encoder and prefill. Each first use costs a
+length), the sampler's general path, the encoder spread over steps, prefill chunks that attend
+to their earlier chunks. Each first use costs a
 JIT compile (Triton: 0.1-0.7 s per kernel cold, a few ms from the disk cache) or a library plan,
 and in a server that time stalls every running stream. The warm-up pays it before the first
 request: a long-running text request decodes while image prompts of every tile count, prompts
 of several lengths and a sampled request with logprobs go through the same scheduler paths as
-served traffic (whole prefills while nothing decodes, encoder and prefill spread over decode
-steps while something does). Afterwards the engine holds no request, every page is free and
-the runner's counters start from zero; its random images are not kept in the processed-image
-cache. Before the requests, the runner runs each text-layer GEMM at every padded prefill row
-count (``ModelRunner.warm_up_prefill_gemms``): cuBLAS's first call at a new row count costs
-host milliseconds, and prompt lengths vary without end.
+served traffic (prefills while nothing decodes and next to the decode of others, prompts longer
+than the token budget in chunks, images encoded over steps). Afterwards the engine holds no
+request, every page is free and the runner's counters start from zero; its random images are
+not kept in the processed-image cache. Before the requests, the runner runs each text-layer
+GEMM at every padded prefill row count (``ModelRunner.warm_up_prefill_gemms``): cuBLAS's first
+call at a new row count costs host milliseconds, and prompt lengths vary without end.
 """
 
 from __future__ import annotations
@@ -113,6 +114,12 @@ def _prompts(engine: LLMEngine) -> tuple[list[Any], list[Any]]:
         second.append((with_images(lengths[i % 3], [shapes[i % len(shapes)]], i), short))
     if limit >= 2 and len(shapes) >= 2:
         second.append((with_images(60, shapes[:2], 99), short))
+    sc = engine.config.scheduler_config
+    if sc.enable_chunked_prefill:  # prompts over several chunks, with and without an image
+        over = sc.max_num_batched_tokens + 77
+        second.append((text(over), short))
+        if shapes:
+            second.append((with_images(over, shapes[:1], 7), short))
     return first, second
 
 

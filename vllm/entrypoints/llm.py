@@ -31,9 +31,8 @@ class LLM:
                  **kwargs: Any) -> None:
         kwargs.pop("trust_remote_code", None)
         # Offline batches want throughput: prefill first unless asked otherwise.
-        kwargs.setdefault("decode_interleave_tokens", 0)
-        kwargs.setdefault("encoder_layers_per_step", 0)
-        kwargs.setdefault("prefill_layers_per_step", 0)
+        if kwargs.get("enable_chunked_prefill") is None:
+            kwargs["enable_chunked_prefill"] = False
         args = EngineArgs(model=model, tokenizer=tokenizer, dtype=dtype, seed=seed,
                           enforce_eager=enforce_eager,
                           gpu_memory_utilization=gpu_memory_utilization,
@@ -49,10 +48,12 @@ class LLM:
 
     def generate(self, prompts: Any, sampling_params: SamplingParams | Sequence[SamplingParams]
                  | None = None, use_tqdm: bool = True,
-                 lora_request: Any = None) -> list[RequestOutput]:
+                 lora_request: Any = None,
+                 priority: Sequence[int] | None = None) -> list[RequestOutput]:
         """Generates for one prompt or a list (strings, token-id dicts, multimodal dicts,
         explicit encoder/decoder dicts; ``vllm.inputs`` types them). Returns outputs in input
-        order. ``lora_request`` must be None (LoRA adapters are not supported)."""
+        order. ``lora_request`` must be None (LoRA adapters are not supported). ``priority``:
+        one value per prompt (``scheduling_policy="priority"``; lower values first)."""
         _check_no_lora(lora_request)
         if isinstance(prompts, (str, dict)) or not isinstance(prompts, Iterable):
             prompts = [prompts]  # one prompt (checked below like any other)
@@ -60,11 +61,14 @@ class LLM:
         for i, prompt in enumerate(prompts):
             check_prompt(prompt, f"prompts[{i}]")
         params = self._params_list(sampling_params, len(prompts))
+        priorities = [0] * len(prompts) if priority is None else list(priority)
+        if len(priorities) != len(prompts):
+            raise ValueError(f"priority has {len(priorities)} values for {len(prompts)} prompts")
         ids = []
         try:
-            for prompt, p in zip(prompts, params, strict=True):
+            for prompt, p, prio in zip(prompts, params, priorities, strict=True):
                 rid = str(next(self._counter))
-                self.llm_engine.add_request(rid, prompt, p)
+                self.llm_engine.add_request(rid, prompt, p, priority=prio)
                 ids.append(rid)
         except Exception:
             self.llm_engine.abort_request(ids)

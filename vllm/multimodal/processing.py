@@ -94,6 +94,14 @@ class ProcessedInputs:
     def num_images(self) -> int:
         return self.images.num_images if self.images else 0
 
+    def sees_images(self, start: int, end: int) -> bool:
+        """Whether any of the tokens ``[start, end)`` sees an image (tokens past the prompt,
+        a recomputed sequence's outputs, see the last image group)."""
+        if self.last_group is not None and end > len(self.prompt_token_ids):
+            return True
+        return any(r.tok_start < end and r.tok_end > start and r.img_end > r.img_start
+                   for r in self.runs)
+
     @cached_property
     def encoder_prompt_token_ids(self) -> list[int]:
         """vLLM's encoder prompt for this model: one image token per vision token of the last

@@ -18,8 +18,8 @@ import torch
 
 from vllm.attention.metadata import DecodeMetadata
 from vllm.config import VllmConfig
-from vllm.core.scheduler import SchedulerOutput
-from vllm.core.sequence import Request, Sequence
+from vllm.core.scheduler_output import EncoderWork, PrefillChunk, SchedulerOutput
+from vllm.core.sequence import Sequence
 from vllm.forward_context import set_forward_context
 from vllm.logger import init_logger
 from vllm.model_executor.layers.linear import Linear
@@ -32,7 +32,6 @@ from vllm.model_executor.layers.sampler import (
     make_generator,
 )
 from vllm.model_executor.layers.sampling_utils import select_row_argmax
-from vllm.model_executor.models.mllama import TextProgress
 from vllm.model_executor.models.mllama_vision import ImagesEncoding
 from vllm.utils import to_device
 from vllm.worker.cache_engine import CacheEngine
@@ -63,30 +62,12 @@ class RunnerStats:
 
     graph_replays: Counter = field(default_factory=Counter)  # (family, bucket) -> replays
     eager_decode_steps: int = 0
-    encoder_chunks: int = 0  # decode steps that also advanced an image encoding
+    encoder_steps: int = 0  # steps that advanced an image encoding spread over steps
     images_encoded_ahead: int = 0  # requests whose images were encoded before their prefill
-    spread_prefills: int = 0  # prefill steps begun ahead and spread over decode steps
-    prefill_steps: int = 0
+    prefill_steps: int = 0  # steps with a prefill forward
+    prefill_chunks: int = 0  # chunks that did not end their prompt (more steps follow)
     host_time_s: float = 0.0  # host time spent launching steps
     steps: int = 0
-
-
-@dataclass(eq=False)
-class PrefillJob:
-    """A prefill step begun ahead of its launch: inputs built, text layers run so far."""
-
-    out: SchedulerOutput
-    batch: PrefillBatch
-    state: TextProgress
-
-
-@dataclass(eq=False)
-class EncoderJob:
-    """A waiting request's images, encoded a few layers per decode step ahead of its prefill."""
-
-    request: Request
-    encoding: ImagesEncoding | None
-    output: torch.Tensor | None = None  # projected vision tokens once finished
 
 
 def _step_invariant(seq: Sequence) -> bool:
@@ -130,7 +111,6 @@ class ModelRunner:
             self.device,
             fused=fused,
         )
-        self.prefill_job: PrefillJob | None = None  # a prefill spread over decode steps
         self.stats = RunnerStats()
         self.results = ResultCopier(self.device, sc.max_num_seqs)
         self.grammar_rows = GrammarRows(sc.max_num_seqs, self.vocab_size, self.device)
@@ -159,27 +139,25 @@ class ModelRunner:
             return self.vision_graphs.encode(pixel_values, aspect_ratio_ids, num_tiles)
         return self.model.encode_images(pixel_values, aspect_ratio_ids, num_tiles)
 
-    @torch.inference_mode()
-    def start_encoder_job(self, request: Request) -> EncoderJob:
-        """Embeds a waiting request's images; ``advance_encoder_job`` runs the layers."""
-        images = request.inputs.images
-        assert images is not None
-        pixels = to_device(images.pixel_values, images.pixel_values.dtype, self.device)
-        ar_ids = to_device(images.aspect_ratio_ids, torch.int64, self.device)
-        encoding = ImagesEncoding(self.model.vision_model, pixels, ar_ids, list(images.num_tiles))
-        return EncoderJob(request, encoding)
-
-    @torch.inference_mode()
-    def advance_encoder_job(self, job: EncoderJob, budget: int) -> bool:
-        """Enqueues about ``budget`` image-layers of the job; True once its output is ready."""
-        assert job.encoding is not None
-        self.stats.encoder_chunks += 1
-        if not job.encoding.advance(budget):
-            return False
-        job.output = self.model.multi_modal_projector(job.encoding.output())
-        job.encoding = None
-        self.stats.images_encoded_ahead += 1
-        return True
+    def _advance_encoder(self, work: EncoderWork) -> None:
+        """Runs a waiting request's next image-layers (``ImagesEncoding``); the projected
+        vision tokens go to its prefill record once the last layer ran."""
+        p = work.progress
+        encoding = p.encoder
+        if encoding is None:
+            images = p.request.inputs.images
+            assert images is not None
+            pixels = to_device(images.pixel_values, images.pixel_values.dtype, self.device)
+            ar_ids = to_device(images.aspect_ratio_ids, torch.int64, self.device)
+            encoding = ImagesEncoding(
+                self.model.vision_model, pixels, ar_ids, list(images.num_tiles)
+            )
+        self.stats.encoder_steps += 1
+        if encoding.advance(work.layers):
+            p.finish_encoding(self.model.multi_modal_projector(encoding.output()))
+            self.stats.images_encoded_ahead += 1
+        else:
+            p.hold_encoder(encoding, encoding.remaining_layers())
 
     @torch.inference_mode()
     def warm_up_prefill_gemms(self) -> int:
@@ -210,18 +188,41 @@ class ModelRunner:
 
     @torch.inference_mode()
     def launch(self, out: SchedulerOutput) -> StepHandle:
-        """Enqueues a step's device work; results reach the host asynchronously."""
+        """Enqueues a step's device work (decode, encoder layers, prefill, in that order);
+        results reach the host asynchronously."""
         start = time.perf_counter()
+        # Sampling inputs first: what a request can make fail fails before any device work,
+        # so a failed step leaves the decode rows as they were (and can run again).
+        samplers = [s for c in out.chunks for s in c.samplers]
+        decode_sampling = self._decode_sampling(out.decode_seqs) if out.decode_seqs else None
+        prefill_sampling = self._sampling_rows(samplers) if samplers else None
+        parts: list[tuple[SamplerOutput, int]] = []
         prompt_logprobs: dict[str, PromptLogprobsOnDevice] = {}
-        if out.is_prefill:
-            result, sampler_out = self._prefill(out, prompt_logprobs)
-            handle = self.results.start(result, sampler_out, prompt_logprobs)
-        else:
-            result, sampled = self._decode(out)
-            if isinstance(sampled, SamplerOutput):
-                handle = self.results.start(result, sampled, prompt_logprobs)
+        deferred = None
+        if decode_sampling is not None:
+            decoded = self._decode(out, decode_sampling)
+            if isinstance(decoded, SamplerOutput):
+                parts.append((decoded, len(out.decode_seqs)))
             else:  # constrained rows: sampled by finish_launch (see grammar_rows.py)
-                handle = StepHandle(result, None, None, {}, None, finish=sampled)
+                deferred = decoded
+        for work in out.encoder_work:
+            self._advance_encoder(work)
+        if out.chunks:
+            sampled = self._prefill(out, prefill_sampling, prompt_logprobs)
+            if sampled is not None:
+                parts.append((sampled, len(samplers)))
+        result = StepOutput(
+            seqs=out.sample_seqs, token_ids=[], num_prompt_tokens=out.num_prefill_tokens
+        )
+        if deferred is None:
+            handle = self.results.start(result, parts, prompt_logprobs)
+        else:
+            n_decode = len(out.decode_seqs)
+
+            def finish() -> tuple[list[tuple[SamplerOutput, int]], dict]:
+                return [(deferred(), n_decode), *parts], prompt_logprobs
+
+            handle = StepHandle(result, None, None, {}, None, finish=finish)
         self.stats.host_time_s += time.perf_counter() - start
         self.stats.steps += 1
         return handle
@@ -234,10 +235,12 @@ class ModelRunner:
             return
         start = time.perf_counter()
         finish, handle.finish = handle.finish, None
-        started = self.results.start(handle.result, finish(), {})
-        handle.sampled, handle.logprobs, handle.event = (
+        parts, prompt_logprobs = finish()
+        started = self.results.start(handle.result, parts, prompt_logprobs)
+        handle.sampled, handle.logprobs, handle.prompt_logprobs, handle.event = (
             started.sampled,
             started.logprobs,
+            started.prompt_logprobs,
             started.event,
         )
         self.stats.host_time_s += time.perf_counter() - start
@@ -291,45 +294,16 @@ class ModelRunner:
             )
         return SamplingMetadata.build(rows, self.vocab_size, self.device)
 
-    @torch.inference_mode()
-    def start_prefill(self, out: SchedulerOutput) -> None:
-        """Begins a prefill to be spread over steps (``advance_prefill``); the step that
-        launches ``out`` runs what is left and samples."""
-        assert self.prefill_job is None, "one spread prefill at a time"
-        self.prefill_job = self._begin_prefill(out)
-        self.stats.spread_prefills += 1
-
-    @torch.inference_mode()
-    def advance_prefill(self, num_layers: int) -> bool:
-        """Enqueues up to ``num_layers`` more text layers of the spread prefill; True once
-        all have run."""
-        job = self.prefill_job
-        assert job is not None
-        with set_forward_context(job.batch.metadata):
-            return self.model.language_model.model.run_layers(job.state, num_layers)
-
-    def cancel_prefill(self) -> None:
-        self.prefill_job = None
-
-    def _begin_prefill(self, out: SchedulerOutput) -> PrefillJob:
+    def _prefill(
+        self,
+        out: SchedulerOutput,
+        sampling: SamplingMetadata | None,
+        prompt_logprobs: dict[str, PromptLogprobsOnDevice],
+    ) -> SamplerOutput | None:
+        """The step's prefill chunks in one forward; samples for the chunks that end their
+        sequence's tokens (None if none does)."""
         lo = self.layout
-        items = []
-        for s in out.prefill_seqs:
-            req = s.request
-            write_cross = req.has_images and not req.cross_written
-            items.append(
-                PrefillItem(
-                    list(s.token_ids),
-                    req.inputs,
-                    req,
-                    s.block_table,
-                    req.cross_block_table,
-                    write_cross,
-                    req.encoded_images,
-                )
-            )
-            if write_cross:
-                req.cross_written = True
+        items = [self._prefill_item(c) for c in out.chunks]
         # The encoder first: the GPU runs it while the host builds the text inputs. With
         # vision graphs the pixels go from the (pinned) host tensors into the graph's buffer.
         graphs = self.vision_graphs
@@ -346,32 +320,30 @@ class ModelRunner:
         batch = build_prefill_batch(
             items, lo.block_size, lo.cross_block_size, self.device, pad_rows=True
         )
-        for s in out.prefill_seqs:
-            s.request.encoded_images = None  # consumed (freed once this step has run)
         if batch.vision_parts:
             vision = batch.assemble_vision(vision)
+        for c in out.chunks:
+            rows = batch.vision_rows.get(c.seq.request)
+            held = c.progress.vision is not None
+            if rows is not None and c.progress.computed and vision is not None and not held:
+                # Later chunks of the request attend to the same vision tokens (a copy when
+                # the step's vision holds other requests' too, so theirs can be freed).
+                own = vision[rows[0] : rows[1]]
+                c.progress.hold_vision(own if own.shape[0] == vision.shape[0] else own.clone())
         with set_forward_context(batch.metadata):
-            state = self.model.language_model.model.begin(batch.input_ids, batch.positions, vision)
-        return PrefillJob(out, batch, state)
-
-    def _prefill(
-        self, out: SchedulerOutput, prompt_logprobs: dict[str, PromptLogprobsOnDevice]
-    ) -> tuple[StepOutput, SamplerOutput]:
-        job = self.prefill_job
-        if job is None or job.out is not out:
-            job = self._begin_prefill(out)
-        self.prefill_job = None
-        batch, text = job.batch, self.model.language_model.model
-        with set_forward_context(batch.metadata):
-            text.run_layers(job.state, len(text.layers))
-            hidden = text.end(job.state)
+            hidden = self.model(batch.input_ids, batch.positions, vision)
         self._prompt_logprobs(out, batch, hidden, prompt_logprobs)
+        self.stats.prefill_steps += 1
+        self.stats.prefill_chunks += sum(1 for c in out.chunks if not c.samplers)
+        self.cache_engine.copy_pages(out.page_copies)
+        if sampling is None:
+            return None
         logits = self.model.compute_logits(hidden[batch.logits_indices])
-        expand = [i for i, group in enumerate(out.samplers) for _ in group]
-        sample_seqs = [s for group in out.samplers for s in group]
-        if len(expand) != len(out.prefill_seqs):
+        groups = [c.samplers for c in out.chunks if c.samplers]
+        expand = [i for i, group in enumerate(groups) for _ in group]
+        sample_seqs = [s for group in groups for s in group]
+        if len(expand) != len(groups):
             logits = logits[to_device(expand, torch.int64, self.device)]
-        sampling = self._sampling_rows(sample_seqs)
         if any_constrained(sample_seqs):  # nothing of theirs is in flight: masks now
             sampling.token_bitmask = self.grammar_rows.masks(sample_seqs)
         sampler_out = self.sampler(logits, sampling)
@@ -386,12 +358,30 @@ class ModelRunner:
                 s.request.inputs.encoder_seq_len,
                 len(s.token_ids),
             )
-        self.cache_engine.copy_pages(out.page_copies)
         self.rows.set_tokens(
             to_device(rows, torch.int64, self.device), sampler_out.sampled_token_ids
         )
-        self.stats.prefill_steps += 1
-        return StepOutput(seqs=sample_seqs, token_ids=[]), sampler_out
+        return sampler_out
+
+    @staticmethod
+    def _prefill_item(chunk: PrefillChunk) -> PrefillItem:
+        req = chunk.seq.request
+        sees = req.has_images and req.inputs.sees_images(chunk.start, chunk.end)
+        write_cross = sees and not req.cross_written
+        if write_cross:
+            req.cross_written = True
+        return PrefillItem(
+            chunk.seq.token_ids[: chunk.end],
+            req.inputs,
+            req,
+            chunk.seq.block_table,
+            req.cross_block_table,
+            write_cross,
+            chunk.progress.vision if sees else None,
+            start=chunk.start,
+            sees_images=sees,
+            samples=bool(chunk.samplers),
+        )
 
     def _prompt_logprobs(
         self,
@@ -401,36 +391,42 @@ class ModelRunner:
         into: dict[str, PromptLogprobsOnDevice],
     ) -> None:
         """Prompt logprobs of the requests that asked for them, left on the device (the
-        result copier brings them to the host with the step's other results)."""
-        start = 0
-        for s, n in zip(out.prefill_seqs, batch.metadata.seq_lens, strict=True):
-            req = s.request
+        result copier brings them to the host with the step's other results). A chunk's
+        share is kept in its prefill record until the prompt's last chunk ran."""
+        row = 0
+        for c, n in zip(out.chunks, batch.metadata.seq_lens, strict=True):
+            req, prompt_len = c.seq.request, c.seq.prompt_len
             k = req.params.prompt_logprobs
-            if k is not None and req.prompt_logprobs is None and n > 1:
-                logits = self.model.compute_logits(hidden[start : start + n - 1])
-                # Image tokens (id >= vocab) cannot be sampled: no logprob at their positions.
-                raw = s.token_ids[1:n]
-                targets = to_device(
-                    [t if t < self.vocab_size else 0 for t in raw], torch.int64, self.device
-                )
-                vals, ids, ranks = compute_prompt_logprobs(logits, targets, k)
-                into[req.request_id] = PromptLogprobsOnDevice(
-                    vals, ids, ranks, [t >= self.vocab_size for t in raw]
-                )
-            start += n
+            # Token t predicts token t + 1; only prompt tokens have a prompt logprob.
+            stop = min(c.end, prompt_len - 1)
+            if k is not None and req.prompt_logprobs is None and c.seq.index == 0:
+                if stop > c.start:
+                    logits = self.model.compute_logits(hidden[row : row + stop - c.start])
+                    # Image tokens (id >= vocab) cannot be sampled: no logprob there.
+                    raw = c.seq.token_ids[c.start + 1 : stop + 1]
+                    targets = to_device(
+                        [t if t < self.vocab_size else 0 for t in raw], torch.int64, self.device
+                    )
+                    vals, ids, ranks = compute_prompt_logprobs(logits, targets, k)
+                    c.progress.add_prompt_logprobs(
+                        PromptLogprobsOnDevice(
+                            vals, ids, ranks, [t >= self.vocab_size for t in raw]
+                        )
+                    )
+                if c.samplers and c.progress.prompt_logprobs:
+                    into[req.request_id] = PromptLogprobsOnDevice.concat(c.progress.prompt_logprobs)
+                    c.progress.prompt_logprobs = []
+            row += n
 
     def _decode(
-        self, out: SchedulerOutput
-    ) -> tuple[StepOutput, SamplerOutput | Callable[[], SamplerOutput]]:
+        self, out: SchedulerOutput, sampling: SamplingMetadata
+    ) -> SamplerOutput | Callable[[], SamplerOutput]:
         """Replays (or runs) the forward and samples; with constrained rows, returns the
         sampling to run later instead (``finish_launch``)."""
         seqs = out.decode_seqs
         self.rows.set_pages([(s.row, len(s.block_table) - 1, p) for s, p in out.new_pages])
         max_enc = max(s.request.inputs.encoder_seq_len for s in seqs)
         row_ids = [s.row for s in seqs]
-        # Sampling inputs first: what a request can make fail fails before the graph
-        # advances the rows, so a failed step leaves them as they were (and runs again).
-        sampling = self._decode_sampling(seqs)
         greedy = None
         if self.graphs is not None:
             replay = self.graphs.run(row_ids, cross=max_enc > 0)
@@ -440,17 +436,16 @@ class ModelRunner:
             rows_t = to_device(row_ids, torch.int64, self.device)
             logits = self._eager_decode(seqs, rows_t, max_enc)
             self.stats.eager_decode_steps += 1
-        result = StepOutput(seqs=list(seqs), token_ids=[])
         if not any_constrained(seqs):
             sampling.token_bitmask = None
-            return result, self._sample_decode(logits, sampling, rows_t, greedy)
+            return self._sample_decode(logits, sampling, rows_t, greedy)
 
         def finish() -> SamplerOutput:
             # The graph's in-graph argmax is of unmasked logits: never used here.
             sampling.token_bitmask = self.grammar_rows.masks(seqs)
             return self._sample_decode(logits, sampling, rows_t, greedy)
 
-        return result, finish
+        return finish
 
     def _sample_decode(
         self,

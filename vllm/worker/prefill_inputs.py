@@ -1,9 +1,11 @@
 """Builds the packed inputs and attention metadata of a prefill step.
 
-Several prompts with different image and tile counts become one flat batch: token ids and
-positions back to back, all images of the step in one vision batch, and for every token a
-``[start, end)`` range over the step's packed vision tokens. Sequences of one request (n > 1
-siblings recomputed after preemption) share one encoding of its images.
+Several prompts or chunks of prompts with different image and tile counts become one flat
+batch: token ids and positions back to back, the images of the step's chunks that see any in
+one vision batch, and for every token a ``[start, end)`` range over the step's packed vision
+tokens. Sequences of one request (n > 1 siblings recomputed after preemption) share one
+encoding of its images. A chunk that continues a sequence (``PrefillItem.start`` > 0) attends
+to its earlier tokens through the pages (``PrefillMetadata.context_pages``).
 
 The runner pads a step's rows up to ``prefill_rows(T)`` (padding rows: token 0 at position 0,
 no cache slot, no vision range, outside every sequence): the text model's GEMMs then see a
@@ -50,8 +52,9 @@ def prefill_row_buckets(max_tokens: int) -> list[int]:
 
 @dataclass
 class PrefillItem:
-    """One sequence to prefill. ``token_ids`` may extend the prompt (recompute after preemption):
-    tokens past the prompt see the last image group, like generated tokens."""
+    """Tokens ``token_ids[start:]`` of one sequence to prefill (the first ``start`` are in its
+    pages). ``token_ids`` may extend the prompt (recompute after preemption): tokens past the
+    prompt see the last image group, like generated tokens."""
 
     token_ids: list[int]
     inputs: ProcessedInputs
@@ -59,7 +62,15 @@ class PrefillItem:
     block_table: list[int] = field(default_factory=list)  # empty: do not write K/V
     cross_block_table: list[int] = field(default_factory=list)
     write_cross: bool = False  # this item writes the request's cross K/V pages
-    encoded: torch.Tensor | None = None  # its images' vision tokens, encoded ahead of time
+    encoded: torch.Tensor | None = None  # its images' vision tokens, encoded before this step
+    start: int = 0
+    sees_images: bool | None = None  # None: whether any of its tokens sees an image
+    samples: bool = True  # its last token's logits are sampled
+
+    def __post_init__(self) -> None:
+        if self.sees_images is None:
+            self.sees_images = self.inputs.images is not None and self.inputs.sees_images(
+                self.start, len(self.token_ids))
 
 
 @dataclass
@@ -71,6 +82,8 @@ class PrefillBatch:
     # When some images were encoded ahead: per image group in vision order, its encoded tokens
     # or None (take the next rows of this step's fresh encoding), with its token count.
     vision_parts: list[tuple[torch.Tensor | None, int]] = field(default_factory=list)
+    # vision_key -> [start, end) of its vision tokens in the step's packed vision tokens.
+    vision_rows: dict[object, tuple[int, int]] = field(default_factory=dict)
 
     def assemble_vision(self, fresh: torch.Tensor | None) -> torch.Tensor:
         """The step's packed vision tokens from ahead-encoded parts and ``fresh`` ones."""
@@ -101,8 +114,13 @@ def _image_owners(items: list[PrefillItem]) -> list[PrefillItem]:
     with images of each ``vision_key`` (siblings share one encoding)."""
     owners: dict[object, PrefillItem] = {}
     for item in items:
-        if item.inputs.images is not None:
+        if item.inputs.images is not None and item.sees_images:
             owners.setdefault(item.vision_key, item)
+    # A sibling's chunk may hold the request's encoding when the owner's does not.
+    for item in items:
+        owner = owners.get(item.vision_key)
+        if owner is not None and owner.encoded is None and item.encoded is not None:
+            owner.encoded = item.encoded
     return list(owners.values())
 
 
@@ -177,43 +195,32 @@ def build_prefill_batch(items: list[PrefillItem], block_size: int, cross_block_s
         vision_base[owner.vision_key] = n_vision
         n_vision += owner.inputs.num_vision_tokens
         parts.append((owner.encoded, owner.inputs.num_vision_tokens))
-    seq_lens, enc_lens = [], []
+    seq_lens, enc_lens, context_lens, last_rows = [], [], [], []
+    context_pages: list[int | None] = []
     for item in items:
-        inp, n = item.inputs, len(item.token_ids)
+        inp, n, s0 = item.inputs, len(item.token_ids), item.start
         t0 = len(ids)
-        ids += item.token_ids
-        positions += range(n)
-        slots.append(_slots(item.block_table, n, block_size) if item.block_table
-                     else torch.full((n,), -1, dtype=torch.int64))
-        seq_lens.append(n)
-        base = vision_base.get(item.vision_key)
-        item_ranges = [(0, 0)] * n
-        offsets = inp.image_token_offsets()
-        item_runs = list(inp.runs)
-        prompt_len = len(inp.prompt_token_ids)
-        if inp.last_group is not None and n > prompt_len:
-            lg0, lg1 = inp.last_group
-            item_runs.append(ImageRun(prompt_len, n, lg0, lg1))
-        for run in item_runs:
-            kv0, kv1 = base + offsets[run.img_start], base + offsets[run.img_end]
-            q0, q1 = run.tok_start, min(run.tok_end, n)
-            item_ranges[q0:q1] = [(kv0, kv1)] * (q1 - q0)
-            if runs and runs[-1][1:] == (t0 + q0, kv0, kv1):
-                # Adjacent with the same vision range (an image token and the text after
-                # it): one attention call instead of two.
-                runs[-1] = (runs[-1][0], t0 + q1, kv0, kv1)
-            else:
-                runs.append((t0 + q0, t0 + q1, kv0, kv1))
+        ids += item.token_ids[s0:]
+        positions += range(s0, n)
+        slots.append(_slots(item.block_table, n, block_size)[s0:] if item.block_table
+                     else torch.full((n - s0,), -1, dtype=torch.int64))
+        seq_lens.append(n - s0)
+        context_lens.append(s0)
+        context_pages.append(-(-n // block_size) if s0 else None)
+        if item.samples:
+            last_rows.append(t0 + n - s0 - 1)
+        item_ranges = [(0, 0)] * (n - s0)
+        base = vision_base.get(item.vision_key) if item.sees_images else None
+        if base is not None:
+            _item_ranges(item, base, t0, item_ranges, runs)
         ranges += item_ranges
-        enc_len = inp.encoder_seq_len
+        enc_len = inp.encoder_seq_len if base is not None else 0
         enc_lens.append(enc_len)
         if item.write_cross and enc_len > 0:
+            assert base is not None
             c0, c1 = inp.cached_vision_range
             cross_src.append(torch.arange(base + c0, base + c1))
             cross_slots.append(_slots(item.cross_block_table, enc_len, cross_block_size))
-    starts = [0]
-    for n in seq_lens:
-        starts.append(starts[-1] + n)
     pad = prefill_rows(len(ids)) - len(ids) if pad_rows and ids else 0
     if pad:
         ids += [0] * pad
@@ -226,7 +233,9 @@ def build_prefill_batch(items: list[PrefillItem], block_size: int, cross_block_s
     h_ranges = up.add(torch.tensor(ranges, dtype=torch.int64).view(-1, 2), torch.int32)
     h_src = up.add(torch.cat(cross_src)) if cross_src else None
     h_cslots = up.add(torch.cat(cross_slots)) if cross_slots else None
-    h_last = up.add([s - 1 for s in starts[1:]])
+    h_last = up.add(last_rows)
+    h_pages = [up.add(item.block_table[:n]) if n is not None else None
+               for item, n in zip(items, context_pages, strict=True)]
     dev = up.to(device)
 
     md = PrefillMetadata(
@@ -239,6 +248,9 @@ def build_prefill_batch(items: list[PrefillItem], block_size: int, cross_block_s
         cross_range_runs=runs,
         cross_cache_src=dev[h_src] if h_src is not None else None,
         cross_slot_mapping=dev[h_cslots] if h_cslots is not None else None,
+        context_lens=context_lens if any(context_lens) else None,
+        context_pages=[dev[h] if h is not None else None for h in h_pages]
+        if any(context_lens) else None,
     )
     return PrefillBatch(
         input_ids=dev[h_ids],
@@ -246,4 +258,34 @@ def build_prefill_batch(items: list[PrefillItem], block_size: int, cross_block_s
         metadata=md,
         logits_indices=dev[h_last],
         vision_parts=parts if any(e is not None for e, _ in parts) else [],
+        vision_rows={key: (b, b + _owner_tokens(items, key)) for key, b in vision_base.items()},
     )
+
+
+def _owner_tokens(items: list[PrefillItem], key: object) -> int:
+    return next(i.inputs.num_vision_tokens for i in items if i.vision_key == key)
+
+
+def _item_ranges(item: PrefillItem, base: int, t0: int, item_ranges: list[tuple[int, int]],
+                 runs: list[tuple[int, int, int, int]]) -> None:
+    """Fills the vision range of each of the item's tokens (``item_ranges``, from its
+    ``start``) and appends the step's runs of queries that share one (``runs``)."""
+    inp, n, s0 = item.inputs, len(item.token_ids), item.start
+    offsets = inp.image_token_offsets()
+    item_runs = list(inp.runs)
+    prompt_len = len(inp.prompt_token_ids)
+    if inp.last_group is not None and n > prompt_len:
+        lg0, lg1 = inp.last_group
+        item_runs.append(ImageRun(prompt_len, n, lg0, lg1))
+    for run in item_runs:
+        kv0, kv1 = base + offsets[run.img_start], base + offsets[run.img_end]
+        q0, q1 = max(run.tok_start, s0) - s0, min(run.tok_end, n) - s0
+        if q1 <= q0:
+            continue
+        item_ranges[q0:q1] = [(kv0, kv1)] * (q1 - q0)
+        if runs and runs[-1][1:] == (t0 + q0, kv0, kv1):
+            # Adjacent with the same vision range (an image token and the text after it):
+            # one attention call instead of two.
+            runs[-1] = (runs[-1][0], t0 + q1, kv0, kv1)
+        else:
+            runs.append((t0 + q0, t0 + q1, kv0, kv1))

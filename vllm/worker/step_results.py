@@ -31,6 +31,18 @@ class PromptLogprobsOnDevice:
     ranks: torch.Tensor  # [T] int64
     image_positions: list[bool]  # [T] host: the target at t is an image token
 
+    @staticmethod
+    def concat(parts: list[PromptLogprobsOnDevice]) -> PromptLogprobsOnDevice:
+        """One request's prompt logprobs from those of its chunks, in order."""
+        if len(parts) == 1:
+            return parts[0]
+        return PromptLogprobsOnDevice(
+            torch.cat([p.values for p in parts]),
+            torch.cat([p.token_ids for p in parts]),
+            torch.cat([p.ranks for p in parts]),
+            [b for p in parts for b in p.image_positions],
+        )
+
 
 @dataclass
 class StepOutput:
@@ -54,10 +66,12 @@ class StepHandle:
 
     result: StepOutput
     sampled: torch.Tensor | None  # host (pinned on CUDA) once the event has fired
-    logprobs: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None
+    # Per sampling part: its row count and its (values, ids, ranks), None if it has none.
+    logprobs: list[tuple[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None]] | None
     prompt_logprobs: dict[str, tuple[torch.Tensor, torch.Tensor, torch.Tensor, list[bool]]]
     event: torch.cuda.Event | None
-    finish: Callable[[], SamplerOutput] | None = None
+    # The step's sampling parts (and prompt logprobs on the device), once sampled.
+    finish: Callable[[], tuple[list[tuple[SamplerOutput, int]], dict]] | None = None
 
 
 class ResultCopier:
@@ -86,18 +100,25 @@ class ResultCopier:
     def start(
         self,
         result: StepOutput,
-        out: SamplerOutput,
+        parts: list[tuple[SamplerOutput, int]],
         prompt_logprobs: dict[str, PromptLogprobsOnDevice],
     ) -> StepHandle:
-        """Enqueues the copies behind the step's work; nothing here waits for the device."""
+        """Enqueues the copies behind the step's work; nothing here waits for the device.
+        ``parts`` (samples, real rows) sample ``result.seqs`` in order: the decode's rows,
+        then the prefill's."""
         n = len(result.seqs)
-        ids = out.sampled_token_ids
-        if ids.shape[0] != n:
-            ids = ids[:n]
+        pieces = [p.sampled_token_ids[:size] for p, size in parts]
+        if len(pieces) == 1:
+            ids = pieces[0]
+        elif pieces:
+            ids = torch.cat(pieces)
+        else:
+            ids = torch.empty(0, dtype=torch.int64)
+        assert ids.shape[0] == n, (ids.shape, n)
         slot = self._launches % len(self._ring)
         self._launches += 1
         event = None
-        if self.pin and n <= self._ring[0].shape[0]:
+        if self.pin and 0 < n <= self._ring[0].shape[0]:
             buf = self._ring_views.get((slot, n))
             if buf is None:
                 buf = self._ring_views[(slot, n)] = self._ring[slot][:n]
@@ -105,13 +126,21 @@ class ResultCopier:
             event = self._ring_events[slot]
         else:
             sampled = self._to_host(ids)
-        logprobs = None
-        if out.logprobs is not None:
-            assert out.logprob_token_ids is not None and out.sampled_ranks is not None
-            logprobs = (
-                self._to_host(out.logprobs[:n]),
-                self._to_host(out.logprob_token_ids[:n]),
-                self._to_host(out.sampled_ranks[:n]),
+        logprobs = []
+        for part, size in parts:
+            if part.logprobs is None:
+                logprobs.append((size, None))
+                continue
+            assert part.logprob_token_ids is not None and part.sampled_ranks is not None
+            logprobs.append(
+                (
+                    size,
+                    (
+                        self._to_host(part.logprobs[:size]),
+                        self._to_host(part.logprob_token_ids[:size]),
+                        self._to_host(part.sampled_ranks[:size]),
+                    ),
+                )
             )
         prompt = {
             rid: (
@@ -125,7 +154,8 @@ class ResultCopier:
         if self.pin:
             event = event or torch.cuda.Event()
             event.record(self._current_stream())
-        return StepHandle(result, sampled, logprobs, prompt, event)
+        has_logprobs = any(lp is not None for _, lp in logprobs)
+        return StepHandle(result, sampled, logprobs if has_logprobs else None, prompt, event)
 
     def _current_stream(self) -> torch.cuda.Stream:
         """``torch.cuda.current_stream()``, cached while the raw stream stays the same (the
@@ -145,9 +175,18 @@ class ResultCopier:
         result = handle.result
         result.token_ids = handle.sampled.tolist()
         if handle.logprobs is not None:
-            vals, ids, ranks = handle.logprobs
-            result.logprobs, result.logprob_ids = vals.tolist(), ids.tolist()
-            result.ranks = ranks.tolist()
+            # Per part; a part without logprobs (none of its rows asked) gets empty entries.
+            result.logprobs, result.logprob_ids, result.ranks = [], [], []
+            for size, part in handle.logprobs:
+                if part is None:
+                    result.logprobs += [[] for _ in range(size)]
+                    result.logprob_ids += [[] for _ in range(size)]
+                    result.ranks += [0] * size
+                    continue
+                vals, ids, ranks = part
+                result.logprobs += vals.tolist()
+                result.logprob_ids += ids.tolist()
+                result.ranks += ranks.tolist()
         for rid, (vals, ids, ranks, images) in handle.prompt_logprobs.items():
             ranks_l = [0 if image else r for image, r in zip(images, ranks.tolist(), strict=True)]
             result.prompt_logprobs[rid] = (vals.tolist(), ids.tolist(), ranks_l)

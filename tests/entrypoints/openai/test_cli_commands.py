@@ -207,3 +207,25 @@ def test_bench_serve_random_mm_and_sharegpt(server: RunningServer, tmp_path: Pat
     assert rec["completed"] == 3 and rec["num_image_requests"] == 0
     assert rec["total_output_tokens"] == 3 * answer_tokens  # each answer's length, ignore_eos
     wait_until_idle(server.engine)
+
+
+def test_bench_serve_request_rate_sweep(server: RunningServer, tmp_path: Path) -> None:
+    """Several --request-rate values: one run each, one JSON with every run and a PNG."""
+    from PIL import Image
+
+    parser = argparse.ArgumentParser()
+    bench_serve.add_cli_args(parser)
+    argv = (
+        f"--base-url {server.url} --num-prompts 3 --disable-tqdm --input-len 4 "
+        f"--output-len 3 --image-size 32 --request-rate 40 inf --result-dir {tmp_path} "
+        "--result-filename sweep.json --metric-percentiles 90"
+    ).split()
+    rec = bench_serve.main(parser.parse_args(argv))
+    assert rec["request_rates"] == [40.0, "inf"]
+    saved = json.loads((tmp_path / "sweep.json").read_text())
+    assert [r["completed"] for r in saved["runs"]] == [3, 3]
+    for r in saved["runs"]:  # the plotted percentiles are added to the asked ones
+        assert {"p90_itl_ms", "p99_itl_ms", "median_ttft_ms", "p99_ttft_ms"} <= set(r)
+    with Image.open(tmp_path / "sweep.png") as png:
+        assert png.format == "PNG" and png.width > png.height > 100
+    wait_until_idle(server.engine)

@@ -17,7 +17,7 @@ from vllm.worker.model_runner import ModelRunner
 launch = ModelRunner.launch
 
 def failing_launch(self, out):
-    if not out.is_prefill:  # the first decode step: the request's prefill went through
+    if out.decode_seqs:  # the first decode step: the request's prefill went through
         raise RuntimeError("CUDA error: an illegal memory access was encountered")
     return launch(self, out)
 

@@ -86,6 +86,17 @@ def test_chat_model_optional_and_extra_fields_ignored(server: RunningServer) -> 
     assert r.json()["model"] == MODEL
 
 
+def test_priority_needs_the_priority_policy(server: RunningServer) -> None:
+    """The server runs fcfs: priority 0 is accepted, any other value is a 400 naming it."""
+    body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+    for url in ("/v1/chat/completions", "/v1/completions"):
+        payload = dict(body) if "chat" in url else {"prompt": "hi", "max_tokens": 2}
+        ok = httpx.post(f"{server.url}{url}", json={**payload, "priority": 0})
+        assert ok.status_code == 200, ok.text
+        bad = httpx.post(f"{server.url}{url}", json={**payload, "priority": 2})
+        assert bad.status_code == 400 and "scheduling-policy priority" in bad.text, bad.text
+
+
 def test_chat_stream_with_usage(client: openai.OpenAI) -> None:
     stream = client.chat.completions.create(
         model=MODEL,

@@ -240,9 +240,11 @@ def test_help_shows_the_effective_defaults(
         return found[0]
 
     assert "(default: 256)" in help_of("--max-num-seqs")
-    assert "(default: max(--max-model-len, 8192))" in help_of("--max-num-batched-tokens")
+    assert "(default: 512 with chunked prefill, else max(--max-model-len, 8192))" in help_of(
+        "--max-num-batched-tokens"
+    )
     assert "8192 on CPU" in help_of("--max-model-len")
-    assert "(default: 256; the offline LLM class: 0)" in help_of("--decode-interleave-tokens")
+    assert "(default: on; the offline LLM class: off)" in help_of("--no-enable-chunked-prefill")
     assert "(default: info)" in help_of("--uvicorn-log-level")
     assert "(default: assistant)" in help_of("--response-role")
     assert "(default: 0)" in help_of("--ssl-cert-reqs")

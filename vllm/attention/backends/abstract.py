@@ -29,6 +29,7 @@ class AttentionBackend(Protocol):
     def prefill_self(
         self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
         md: PrefillMetadata, scale: float,
+        kv_cache: tuple[torch.Tensor, torch.Tensor] | None = None,  # for chunks with context
     ) -> torch.Tensor: ...
 
     def decode_self(

@@ -17,9 +17,12 @@ class TorchBackend:
     def write_kv(self, key, value, key_cache, value_cache, slot_mapping) -> None:
         torch_paged.write_kv_cache(key, value, key_cache, value_cache, slot_mapping)
 
-    def prefill_self(self, query, key, value, md: PrefillMetadata, scale: float) -> torch.Tensor:
-        assert md.seq_lens is not None
-        return sdpa.varlen_causal_attention(query, key, value, md.seq_lens, scale)
+    def prefill_self(
+        self, query, key, value, md: PrefillMetadata, scale: float, kv_cache=None
+    ) -> torch.Tensor:
+        return sdpa.varlen_causal_attention(
+            query, key, value, md.seq_lens, scale, md.context_lens, md.context_pages, kv_cache
+        )
 
     def decode_self(
         self, query, key_cache, value_cache, md: DecodeMetadata, scale: float

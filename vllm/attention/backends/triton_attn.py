@@ -74,11 +74,26 @@ class TritonBackend:
         value: torch.Tensor,
         md: PrefillMetadata,
         scale: float,
+        kv_cache: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> torch.Tensor:
         # query: [T, Hq, D], key/value: [T, Hkv, D] -> [T, Hq, D]. SDPA (cuDNN on Hopper)
-        # measured faster than a Triton causal kernel (see ``ops/sdpa.py``).
-        assert md.seq_lens is not None
-        return sdpa.varlen_causal_attention(query, key, value, md.seq_lens, scale)
+        # measured faster than a Triton causal kernel (see ``ops/sdpa.py``); chunks with
+        # context read their earlier tokens from the pages.
+        return sdpa.varlen_causal_attention(query, key, value, md.seq_lens, scale,
+                                            md.context_lens, md.context_pages, kv_cache,
+                                            self._after_context)
+
+    def _after_context(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
+                       out: torch.Tensor) -> None:
+        """A chunk's queries (the last ``L`` of the ``S`` gathered keys): each sees the range
+        [0, its position], so the ranged kernel (key splits to fill the GPU) does it with no
+        mask and native GQA (SDPA with a mask and GQA would take its math path)."""
+        length, total = q.shape[0], k.shape[0]
+        ranges = torch.zeros(length, 2, dtype=torch.int32, device=q.device)
+        ranges[:, 1] = torch.arange(total - length + 1, total + 1, dtype=torch.int32,
+                                    device=q.device)
+        ranged_cross_attention(q, k, v, ranges, scale, out=out,
+                               num_splits=self._cross_splits(q, k))
 
     def decode_self(
         self,

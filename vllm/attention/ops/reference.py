@@ -107,6 +107,31 @@ def varlen_causal_attention(
     return out
 
 
+def chunked_causal_attention(
+    query: torch.Tensor,  # [T, num_heads, head_dim]: the chunks, packed
+    key_cache: torch.Tensor,  # [num_pages, num_kv_heads, page_size, head_dim]
+    value_cache: torch.Tensor,
+    block_tables: list[list[int]],  # per chunk: its sequence's pages
+    context_lens: list[int],  # per chunk: tokens before it (already in the pages)
+    seq_lens: list[int],  # per chunk: its tokens (its K/V also in the pages)
+    scale: float,
+) -> torch.Tensor:
+    """Prefill chunks: the i-th query of a chunk after ``c`` cached tokens sees the
+    sequence's tokens 0..c+i, all read from the pages."""
+    out = torch.zeros_like(query)
+    start = 0
+    for table, ctx, n in zip(block_tables, context_lens, seq_lens, strict=True):
+        k = _paged_rows(key_cache, table, ctx + n)
+        v = _paged_rows(value_cache, table, ctx + n)
+        pos_q = torch.arange(ctx, ctx + n, device=query.device)[:, None]
+        visible = torch.arange(ctx + n, device=query.device)[None, :] <= pos_q
+        out[start : start + n] = _attend(query[start : start + n], k, v, scale, visible).to(
+            query.dtype
+        )
+        start += n
+    return out
+
+
 def ranged_cross_attention(
     query: torch.Tensor,  # [T, num_heads, head_dim]
     key: torch.Tensor,  # [S, num_kv_heads, head_dim] packed vision tokens of the step

@@ -4,11 +4,16 @@ On the H200 SDPA's cuDNN back-end beat the Triton prefill kernels written here (
 GQA: 0.98 vs 1.35 ms, the causal kernel since removed; 1,024 x 6,404 ranged cross: 0.18 vs
 0.31 ms; benchmarks/RESULTS.md), so the CUDA back-end uses it too, except for cross prefills
 of few queries over many vision tokens (``triton_prefill.ranged_cross_attention`` with key
-splits fills the GPU there). Prefill runs eagerly, never captured: looping over host lengths
-is fine.
+splits fills the GPU there). A prefill chunk (a prompt prefilled over several steps) attends to its
+own earlier chunks through the paged cache: those sequences gather their pages and attend with
+a bottom-right causal mask (SDPA with a boolean mask here; on CUDA the ranged Triton kernel,
+each query's keys being the range [0, its position]). Prefill runs
+eagerly, never captured: looping over host lengths is fine.
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -29,20 +34,67 @@ def _sdpa(
     return o[0].transpose(0, 1)
 
 
+def _paged_rows(cache: torch.Tensor, pages: torch.Tensor, length: int) -> torch.Tensor:
+    """The first ``length`` token rows held by ``pages`` ([n] int64) of one layer's cache
+    ([num_pages, Hkv, page_size, D]) -> [length, Hkv, D]."""
+    rows = cache.index_select(0, pages)  # [n, Hkv, P, D]
+    n, hkv, p, d = rows.shape
+    return rows.permute(0, 2, 1, 3).reshape(n * p, hkv, d)[:length]
+
+
+def attend_after_context(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, out: torch.Tensor
+) -> None:
+    """[L, Hq, D] queries at the last L positions of the [S, Hkv, D] keys, causal (query i
+    sees keys 0..S-L+i: the causal diagonal aligned to the bottom right), into ``out``.
+    SDPA with a boolean mask: the TORCH back-end's (the TRITON one has a kernel for it)."""
+    length, total = q.shape[0], k.shape[0]
+    rows = torch.arange(total - length, total, device=q.device)
+    visible = torch.arange(total, device=q.device)[None, :] <= rows[:, None]
+    o = F.scaled_dot_product_attention(
+        q.transpose(0, 1).unsqueeze(0),
+        k.transpose(0, 1).unsqueeze(0),
+        v.transpose(0, 1).unsqueeze(0),
+        attn_mask=visible,
+        scale=scale,
+        enable_gqa=True,
+    )
+    out.copy_(o[0].transpose(0, 1))
+
+
+AfterContext = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, float, torch.Tensor], None]
+
+
 def varlen_causal_attention(
     query: torch.Tensor,  # [T, num_heads, head_dim]
     key: torch.Tensor,  # [T, num_kv_heads, head_dim]
     value: torch.Tensor,
     seq_lens: list[int],
     scale: float,
+    context_lens: list[int] | None = None,
+    context_pages: list[torch.Tensor | None] | None = None,
+    kv_cache: tuple[torch.Tensor, torch.Tensor] | None = None,
+    after_context: AfterContext = attend_after_context,
 ) -> torch.Tensor:
-    """Causal attention within each packed sequence (prompts start at position 0). Rows after
-    the last sequence (a padded step's) are left unwritten."""
+    """Causal attention within each packed sequence. A sequence with ``context_lens[i]`` > 0
+    is a prefill chunk: its tokens continue ``context_lens[i]`` tokens whose K/V are in the
+    pages ``context_pages[i]`` of ``kv_cache``, where this chunk's K/V were written too (the
+    layer writes before it attends), so it attends to all of them (``after_context``). Rows
+    after the last sequence (a padded step's) are left unwritten."""
     out = torch.empty_like(query)
     start = 0
-    for n in seq_lens:
+    for i, n in enumerate(seq_lens):
         end = start + n
-        out[start:end] = _sdpa(query[start:end], key[start:end], value[start:end], scale, True)
+        ctx = context_lens[i] if context_lens is not None else 0
+        if ctx == 0:
+            out[start:end] = _sdpa(query[start:end], key[start:end], value[start:end], scale, True)
+        else:
+            assert kv_cache is not None and context_pages is not None
+            pages = context_pages[i]
+            assert pages is not None
+            k = _paged_rows(kv_cache[0], pages, ctx + n)
+            v = _paged_rows(kv_cache[1], pages, ctx + n)
+            after_context(query[start:end], k, v, scale, out[start:end])
         start = end
     return out
 

@@ -45,13 +45,18 @@ _ENGINE_COUNTERS = (
     ("vllm:eager_decode_steps", "Decode steps run eagerly (no CUDA graph).", "eager_decode_steps"),
     (
         "vllm:images_encoded_ahead",
-        "Requests whose images were encoded over decode steps before their prefill.",
+        "Requests whose images were encoded over several steps before their prefill.",
         "images_encoded_ahead",
     ),
     (
         "vllm:encoder_steps",
-        "Steps that also advanced an image encoding (interleaved prefill).",
+        "Steps that advanced an image encoding spread over steps.",
         "encoder_steps",
+    ),
+    (
+        "vllm:prefill_chunks",
+        "Prefill chunks that did not end their prompt (chunked prefill).",
+        "prefill_chunks",
     ),
 )
 

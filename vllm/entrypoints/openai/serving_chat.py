@@ -117,7 +117,7 @@ class OpenAIServingChat(OpenAIServing):
                 if request.add_generation_prompt
                 else str(request.messages[-1].get("role", "assistant"))
             )
-            gen = self.generate(processed, params, engine_id, ticket, grammar)
+            gen = self.generate(processed, params, engine_id, ticket, grammar, request.priority)
             # vLLM's count: the decoder prompt plus the encoder prompt (see the docstring).
             num_prompt = len(prompt["prompt_token_ids"]) + processed.encoder_seq_len
             if request.stream:

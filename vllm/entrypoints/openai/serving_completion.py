@@ -144,7 +144,9 @@ class OpenAIServingCompletion(OpenAIServing):
             for i, (p, ticket) in enumerate(zip(prepared, tickets, strict=True)):
                 rid = f"{engine_base}-{i}"
                 self.log_request(rid, p.text, p.token_ids, p.params)
-                gens.append(self.generate(p.processed, p.params, rid, ticket, p.grammar))
+                gens.append(
+                    self.generate(p.processed, p.params, rid, ticket, p.grammar, request.priority)
+                )
             if request.stream:
                 body = self._stream(request, gens, prepared, base_id, model)
                 return SSEResponse(body, on_close=lambda: _close_all(tickets))

@@ -350,9 +350,17 @@ class OpenAIServing:
         request_id: str,
         ticket: QueueTicket | None = None,
         grammar: Any = None,
+        priority: int = 0,
     ) -> AsyncGenerator[RequestOutput, None]:
         """The engine's output stream for one prompt (checked first: raises a 400);
         ``grammar`` is ``compile_constraint``'s."""
+        policy = self.engine.config.scheduler_config.scheduling_policy
+        if priority != 0 and policy != "priority":
+            raise bad_request(
+                f"priority={priority} needs --scheduling-policy priority (the server runs "
+                f"{policy}).",
+                "priority",
+            )
         if params.prompt_logprobs is not None:
             vocab = self.engine.config.model_config.spec.text.vocab_size
             beyond = [t for t in processed.prompt_token_ids if t >= vocab]
@@ -364,7 +372,8 @@ class OpenAIServing:
                     "prompt_logprobs",
                 )
         return self.engine.generate(
-            None, params, request_id, processed=processed, ticket=ticket, grammar=grammar
+            None, params, request_id, processed=processed, ticket=ticket, grammar=grammar,
+            priority=priority,
         )
 
     async def collect_final(

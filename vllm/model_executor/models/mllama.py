@@ -8,8 +8,6 @@ context; the skip of the cross layers is decided from the host integer ``max_enc
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 from torch import nn
 
@@ -170,52 +168,20 @@ class MllamaTextModel(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 vision: torch.Tensor | None) -> torch.Tensor:
-        state = self.begin(input_ids, positions, vision)
-        self.run_layers(state, len(self.layers))
-        return self.end(state)
-
-    # A prefill can also run a few layers at a time (``begin``, ``run_layers`` under the same
-    # attention metadata until done, ``end``): the same operations in the same order as one
-    # call. The engine spreads a prefill over decode steps this way.
-    def begin(self, input_ids: torch.Tensor, positions: torch.Tensor,
-              vision: torch.Tensor | None) -> TextProgress:
         md = get_attention_metadata()
         skip_cross = md.skip_cross_attention
-        return TextProgress(self.embed_tokens(input_ids), None, positions, vision, skip_cross,
-                            None if skip_cross else md.cross_row_mask())
-
-    def run_layers(self, state: TextProgress, num_layers: int) -> bool:
-        """Runs up to ``num_layers`` more layers; True once all have run."""
-        stop = min(state.next_layer + num_layers, len(self.layers))
-        x, residual = state.hidden, state.residual
-        for layer in self.layers[state.next_layer:stop]:
+        row_mask = None if skip_cross else md.cross_row_mask()
+        x, residual = self.embed_tokens(input_ids), None
+        for layer in self.layers:
             if isinstance(layer, MllamaCrossAttentionDecoderLayer):
-                if state.skip_cross:
+                if skip_cross:
                     continue
-                x, residual = layer(x, residual, state.vision, state.row_mask)
+                x, residual = layer(x, residual, vision, row_mask)
             else:
-                x, residual = layer(state.positions, x, residual)
-        state.hidden, state.residual, state.next_layer = x, residual, stop
-        return stop == len(self.layers)
-
-    def end(self, state: TextProgress) -> torch.Tensor:
-        assert state.next_layer == len(self.layers), "end() before the last layer"
-        if state.residual is None:
-            return self.norm(state.hidden)
-        return self.norm(state.hidden, state.residual)[0]
-
-
-@dataclass(eq=False)
-class TextProgress:
-    """A forward of the text model part-way through its layers."""
-
-    hidden: torch.Tensor
-    residual: torch.Tensor | None
-    positions: torch.Tensor
-    vision: torch.Tensor | None
-    skip_cross: bool
-    row_mask: torch.Tensor | None
-    next_layer: int = 0
+                x, residual = layer(positions, x, residual)
+        if residual is None:
+            return self.norm(x)
+        return self.norm(x, residual)[0]
 
 
 class MllamaForCausalLM(nn.Module):

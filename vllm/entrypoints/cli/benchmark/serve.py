@@ -5,6 +5,8 @@ Requests come from a seeded synthetic dataset mixing text-only and image request
 or a local ShareGPT file). They are dispatched at Poisson (or gamma, ``--burstiness``) arrival
 times for ``--request-rate`` requests/s (``inf``: all at once), optionally capped at
 ``--max-concurrency`` in flight, each streamed over SSE and timed on arrival of every chunk.
+Several rates (``--request-rate 1 2 4 inf``) run one after the other into one JSON, with a PNG
+of TTFT, ITL and throughput against the rate (``sweep_plot.py``).
 Metric definitions are in ``serve_metrics.py``. Only the server the user names is contacted
 (loopback by default).
 """
@@ -43,6 +45,7 @@ from vllm.entrypoints.cli.benchmark.serve_metrics import (
     parse_metric_names,
     parse_percentiles,
 )
+from vllm.entrypoints.cli.benchmark.sweep_plot import plot_sweep
 
 BACKEND_ENDPOINTS = {
     "openai-chat": CHAT_ENDPOINT,
@@ -152,8 +155,10 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
     load.add_argument(
         "--request-rate",
         type=float,
-        default=float("inf"),
-        help="Requests per second (Poisson arrivals); inf sends all at once.",
+        nargs="+",
+        default=[float("inf")],
+        help="Requests per second (Poisson arrivals); inf sends all at once. Several values: "
+        "a sweep, one run per rate, saved to one JSON and a PNG plot.",
     )
     load.add_argument(
         "--burstiness",
@@ -181,6 +186,11 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
         "texts, errors).",
     )
     out.add_argument("--result-dir", default=None, help="Folder for the JSON (default: .).")
+    out.add_argument(
+        "--plot",
+        default=None,
+        help="PNG of a sweep (default: the sweep's JSON path with .png).",
+    )
     out.add_argument("--result-filename", default=None, help="JSON file name.")
     out.add_argument("--disable-tqdm", action="store_true", help="No progress bar.")
 
@@ -377,9 +387,51 @@ def result_path(args: argparse.Namespace, record: dict[str, Any]) -> Path:
 
 def main(args: argparse.Namespace) -> dict[str, Any]:
     """Entry point of ``vllm bench serve`` and ``benchmarks/benchmark_serving.py``."""
+    rates = args.request_rate if isinstance(args.request_rate, list) else [args.request_rate]
+    if len(rates) > 1:
+        return sweep(args, rates)
+    args.request_rate = rates[0]
     record = asyncio.run(benchmark(args))
     if args.save_result or args.result_filename:
         path = result_path(args, record)
         write_json(str(path), record)
         print(f"Wrote {path}")
     return record
+
+
+def sweep(args: argparse.Namespace, rates: list[float]) -> dict[str, Any]:
+    """One run per request rate, in the order given; one JSON (``runs``: each run's record)
+    and a PNG plot, always written."""
+    wanted = parse_metric_names(args.percentile_metrics)
+    args.percentile_metrics = ",".join(dict.fromkeys([*wanted, "ttft", "itl"]))
+    pcts = parse_percentiles(args.metric_percentiles)
+    args.metric_percentiles = ",".join(f"{p:g}" for p in sorted({*pcts, 50.0, 99.0}))
+    runs = []
+    for rate in rates:
+        run = argparse.Namespace(**{**vars(args), "request_rate": rate})
+        runs.append(asyncio.run(benchmark(run)))
+    record = {
+        "date": runs[0]["date"],
+        "model_id": runs[0]["model_id"],
+        "request_rates": [r["request_rate"] for r in runs],
+        "runs": runs,
+    }
+    name = args.result_filename or f"sweep-{runs[0]['date']}.json"
+    path = Path(args.result_dir or ".") / name
+    write_json(str(path), record)
+    plot = plot_sweep(runs, Path(args.plot) if args.plot else path.with_suffix(".png"))
+    print(f"Wrote {path} and {plot}")
+    print(sweep_table(runs))
+    return record
+
+
+def sweep_table(runs: list[dict[str, Any]]) -> str:
+    """One line per rate: throughput, TTFT and ITL median / p99."""
+    lines = ["rate (req/s) | output tok/s | TTFT p50 / p99 (ms) | ITL p50 / p99 (ms)"]
+    for r in runs:
+        lines.append(
+            f"{r['request_rate']!s:>12} | {r['output_throughput']:12.1f} | "
+            f"{r['median_ttft_ms']:8.1f} / {r['p99_ttft_ms']:8.1f} | "
+            f"{r['median_itl_ms']:7.1f} / {r['p99_itl_ms']:7.1f}"
+        )
+    return "\n".join(lines)

@@ -4,11 +4,11 @@ Keeps ``--concurrency`` requests in flight (a new one as each finishes), ``--ima
 them with one 4-tile image, and records every step the engine launches (kind, batch, prompt
 tokens, wall time) and the arrival time of every token. Prints TTFT and ITL percentiles,
 the ITL / median ratio at p99, the graph-replay fraction and a per-kind step summary; the
-JSON (``--out``) keeps the step trace. Engine flags pass through (``--decode-interleave-tokens
-0 --encoder-layers-per-step 0`` is the prefill-first baseline).
+JSON (``--out``) keeps the step trace. Scheduler flags pass through with the server's
+defaults (``--no-enable-chunked-prefill`` is the prefill-first baseline).
 
-    python -m benchmarks.engine interleave --load-format dummy --dtype bfloat16 --out i.json
-    python -m benchmarks.engine interleave --smoke          # tiny model, CPU
+    python -m benchmarks.engine serving-loop --load-format dummy --dtype bfloat16 --out s.json
+    python -m benchmarks.engine serving-loop --smoke          # tiny model, CPU
 """
 
 from __future__ import annotations
@@ -34,10 +34,11 @@ def parse_args(argv: list[str] | None, prog: str | None) -> argparse.Namespace:
     ap.add_argument("--dtype", default="auto")
     ap.add_argument("--max-model-len", type=int, default=4096)
     ap.add_argument("--max-num-seqs", type=int, default=64)
-    # The server's defaults (the LLM class alone would prefill first).
-    ap.add_argument("--decode-interleave-tokens", type=int, default=256)
-    ap.add_argument("--encoder-layers-per-step", type=int, default=4)
-    ap.add_argument("--prefill-layers-per-step", type=int, default=5)
+    # The server's defaults (the LLM class alone would prefill first); None: the engine's.
+    ap.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction,
+                    default=True)
+    ap.add_argument("--max-num-batched-tokens", type=int, default=None)
+    ap.add_argument("--encoder-layers-per-step", type=int, default=None)
     ap.add_argument("--concurrency", type=int, default=32)
     ap.add_argument("--num-requests", type=int, default=96)
     ap.add_argument("--input-len", type=int, default=200)
@@ -53,35 +54,20 @@ def parse_args(argv: list[str] | None, prog: str | None) -> argparse.Namespace:
 
 
 def trace_steps(view: EngineView) -> list[dict]:
-    """Records each launched step (with its host time) and the encoder layers it carried."""
+    """Records each launched step: what it carried (``launch_record``) and its host time."""
     steps: list[dict] = []
 
     def traced_launch(launch):
         def run(out):
             t0 = time.perf_counter()
             handle = launch(out)
-            steps.append(
-                {
-                    "t": t0,
-                    "host_ms": (time.perf_counter() - t0) * 1e3,
-                    **launch_record(out),
-                    "encoder": 0,
-                }
-            )
+            steps.append({"t": t0, "host_ms": (time.perf_counter() - t0) * 1e3,
+                          **launch_record(out)})
             return handle
 
         return run
 
-    def traced_advance(advance):
-        def run(job, budget):
-            if steps:
-                steps[-1]["encoder"] += budget
-            return advance(job, budget)
-
-        return run
-
     view.wrap_runner("launch", traced_launch)
-    view.wrap_runner("advance_encoder_job", traced_advance)
     return steps
 
 
@@ -132,10 +118,8 @@ def step_summary(steps: list[dict], t_begin: float) -> dict:
 def main(argv: list[str] | None = None, prog: str | None = None) -> None:
     """Runs the closed loop; prints the result (``--out`` also writes it with the trace)."""
     args = parse_args(argv, prog)
-    kw = {
-        k: getattr(args, k)
-        for k in ("decode_interleave_tokens", "encoder_layers_per_step", "prefill_layers_per_step")
-    }
+    names = ("enable_chunked_prefill", "max_num_batched_tokens", "encoder_layers_per_step")
+    kw = {k: getattr(args, k) for k in names if getattr(args, k) is not None}
     llm = LLM(
         model=args.model,
         load_format=args.load_format,
