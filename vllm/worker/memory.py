@@ -1,4 +1,4 @@
-"""How many KV pages fit, and fitting the configuration to them.
+"""How many KV pages fit, and whether one full-length sequence fits them.
 
 CUDA: a worst-case prefill (``max_num_batched_tokens`` tokens with the per-step vision budget
 of images) is run once without caches and its peak is measured; decode-graph memory is
@@ -8,7 +8,6 @@ CPU: the pool holds what the scheduler can ever use, capped by ``cpu_kv_cache_sp
 
 from __future__ import annotations
 
-import dataclasses
 from typing import TYPE_CHECKING
 
 import torch
@@ -154,8 +153,8 @@ def check_device_memory(config: VllmConfig, total_bytes: int) -> None:
             f"(max_num_batched_tokens {sc.max_num_batched_tokens}: about "
             f"{activations / GiB:.1f} GiB of activations) need more than the "
             f"{budget / GiB:.1f} GiB that --gpu-memory-utilization {util} allows on this GPU; "
-            "lower --max-num-batched-tokens (prompts are prefilled whole, so also "
-            "--max-model-len) or raise --gpu-memory-utilization.")
+            "lower --max-num-batched-tokens (without --enable-chunked-prefill prompts are "
+            "prefilled whole, so also --max-model-len) or raise --gpu-memory-utilization.")
 
 
 def decode_graph_reserve(config: VllmConfig) -> int:
@@ -204,24 +203,44 @@ def determine_num_pages(cfg: VllmConfig, loaded: LoadedModel) -> int:
     return num + 1
 
 
-def fit_config_to_pages(config: VllmConfig, layout: PageLayout, num_pages: int) -> VllmConfig:
-    """Lowers max_model_len when one full-length sequence cannot fit, or fails with the flags
-    to change. Returns a new config (configs are immutable)."""
+def largest_fitting_len(config: VllmConfig, layout: PageLayout, num_pages: int) -> int:
+    """The longest max_model_len whose one full-length sequence (and its full image group's
+    cross pages) fits ``num_pages`` (the null page included); at most the configured one."""
+    cross = layout.cross_pages_for_tokens(config.model_config.max_encoder_seq_len)
+    fit = (num_pages - 1 - cross) * layout.block_size
+    return max(0, min(fit, config.model_config.max_model_len))
+
+
+def check_context_fits(config: VllmConfig, layout: PageLayout, num_pages: int) -> None:
+    """Refuses a configuration whose one full-length sequence cannot fit the KV pool (raises
+    ValueError naming the flags and the largest max_model_len that fits), before the runner
+    allocates anything: a request as long as max_model_len must always be servable."""
     usable = num_pages - 1
     need = pages_per_seq(config, layout)
     if usable >= need:
-        return config
+        return
     mc = config.model_config
-    cross = layout.cross_pages_for_tokens(mc.max_encoder_seq_len)
-    fit_len = (usable - cross) * layout.block_size
-    if fit_len < 2 * layout.block_size:
-        raise ValueError(
-            f"The KV cache has room for {usable} pages, but one sequence needs {need} "
-            f"(max_model_len {mc.max_model_len}, {mc.limit_images_per_prompt} image(s)). Raise "
-            "--gpu-memory-utilization, or lower --max-model-len, --limit-mm-per-prompt or "
-            "--max-num-batched-tokens.")
-    logger.warning("max_model_len %d does not fit in the KV cache (%d pages); lowering it to %d."
-                   " Set --max-model-len to choose.", mc.max_model_len, usable, fit_len)
-    mc = dataclasses.replace(mc, max_model_len=fit_len)
-    sc = dataclasses.replace(config.scheduler_config, max_model_len=fit_len)
-    return dataclasses.replace(config, model_config=mc, scheduler_config=sc)
+    cc = config.cache_config
+    fit = largest_fitting_len(config, layout, num_pages)
+    images = f"{mc.limit_images_per_prompt} image(s) of cross-attention pages"
+    if cc.num_gpu_blocks_override is not None:
+        room = f"--num-gpu-blocks-override {cc.num_gpu_blocks_override}"
+    elif config.device_config.device.type == "cuda":
+        room = (f"--gpu-memory-utilization {cc.gpu_memory_utilization} leaves "
+                f"{usable * layout.page_bytes / GiB:.2f} GiB for it")
+    else:
+        room = f"the CPU KV cache space is {cc.cpu_kv_cache_space_bytes / GiB:.2f} GiB"
+    quant = ("; --quantization fp8 or bitsandbytes stores the weights in 8 or 4 bits and "
+             "leaves the rest to the KV cache" if mc.quantization is None else "")
+    if fit >= 2 * layout.block_size:
+        fix = (f"The largest max_model_len that fits is {fit}: pass --max-model-len {fit} (or "
+               f"less), or raise --gpu-memory-utilization{quant}.")
+    else:
+        fix = (f"Not even a {2 * layout.block_size}-token sequence fits: raise "
+               f"--gpu-memory-utilization, lower --max-model-len or --limit-mm-per-prompt"
+               f"{quant}.")
+    raise ValueError(
+        f"max_model_len {mc.max_model_len} does not fit in the KV cache: one full-length "
+        f"sequence needs {need} pages of {layout.block_size} tokens ({images} included), the "
+        f"cache has room for {usable} ({room}; --kv-cache-dtype stays auto: the cache is in "
+        f"the model dtype). {fix}")
