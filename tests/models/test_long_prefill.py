@@ -96,7 +96,7 @@ def test_engine_serves_a_full_context_prompt(loaded) -> None:
     engine.add_request("long", {"prompt_token_ids": ids},
                        SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))
     done = []
-    for _ in range(50):
+    for _ in range(2 * MAX_LEN // 512):  # 256 chunks of the 512-token budget
         done += [o for o in engine.step() if o.finished]
         if not engine.has_unfinished_requests():
             break
