@@ -165,3 +165,44 @@ def test_startup_times_are_reported_split(caplog) -> None:
     lines = [r.getMessage() for r in caplog.records if "Start-up took" in r.getMessage()]
     assert len(lines) == 1
     assert all(f"{name} " in lines[0] for name in parts)
+
+
+def test_full_context_chunk_gather_is_reserved(monkeypatch) -> None:
+    """A chunk that continues a 131072-token context gathers its layer's keys and values from
+    the pages, which the profile (chunks without context) does not measure: the reserve holds
+    them (and a transient copy), and the pre-load check counts it: a GPU with room for the
+    profile's step but not for the gather is refused, naming max_model_len."""
+    from vllm.attention.ops import sdpa
+
+    cfg = _config(FULL, 64, max_num_seqs=2, limit_mm_per_prompt={"image": 1})
+    t = cfg.model_config.spec.text
+    lo = memory.PageLayout.for_model(cfg.model_config.spec, 16, cfg.model_config.dtype)
+    pages = lo.pages_for_tokens(FULL)
+    cache = torch.zeros(
+        pages + 1, t.num_key_value_heads, 16, t.head_dim, dtype=cfg.model_config.dtype
+    )
+    gathered: list[int] = []
+
+    def record(q, k, v, scale, out) -> None:
+        gathered.append(k.nbytes + v.nbytes)
+
+    n = 16
+    q = torch.zeros(n, t.num_attention_heads, t.head_dim, dtype=cfg.model_config.dtype)
+    kv = torch.zeros(n, t.num_key_value_heads, t.head_dim, dtype=cfg.model_config.dtype)
+    sdpa.varlen_causal_attention(
+        q, kv, kv, [n], 1.0, [FULL - n], [torch.arange(1, pages + 1)], (cache, cache), record
+    )
+    reserve = memory.context_gather_bytes(cfg)
+    assert gathered and reserve >= 1.5 * gathered[0]
+    whole = EngineArgs(
+        model="demo/mllama-tiny",
+        max_model_len=FULL,
+        enable_chunked_prefill=False,
+        max_num_batched_tokens=FULL,
+    ).create_engine_config()
+    assert memory.context_gather_bytes(whole) == 0  # prompts whole: no chunk has context
+    need = memory.weight_bytes(cfg) + memory.prefill_activation_estimate(cfg)
+    util = cfg.cache_config.gpu_memory_utilization
+    memory.check_device_memory(cfg, int((need + reserve + 1024) / util) + 1)
+    with pytest.raises(ValueError, match="at max_model_len 131072"):
+        memory.check_device_memory(cfg, int((need + reserve // 2) / util))

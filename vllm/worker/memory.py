@@ -1,8 +1,10 @@
 """How many KV pages fit, and whether one full-length sequence fits them.
 
 CUDA: a worst-case prefill (``max_num_batched_tokens`` tokens with the per-step vision budget
-of images) is run once without caches and its peak is measured; decode-graph memory is
-reserved before the pool is sized; the rest of ``gpu_memory_utilization`` becomes pages.
+of images) is run once without caches and its peak is measured, plus what a chunk continuing a
+full-length context gathers from the pages; decode-graph memory is reserved before the pool is
+sized; the rest of ``gpu_memory_utilization`` becomes pages. No step is larger than the
+budget, whatever max_model_len is.
 CPU: the pool holds what the scheduler can ever use, capped by ``cpu_kv_cache_space_bytes``.
 """
 
@@ -125,6 +127,18 @@ def prefill_activation_estimate(config: VllmConfig) -> int:
     return tokens * (3 * t.intermediate_size + 4 * t.hidden_size) * elem
 
 
+def context_gather_bytes(config: VllmConfig) -> int:
+    """Bytes a prefill chunk with context holds beyond what the profile (chunks without
+    context) measures: its layer's keys and values of up to max_model_len tokens gathered from
+    the pages (``ops/sdpa.py``), one of them twice while it is gathered, plus one more for the
+    allocator's slack. Only chunked prefill continues a sequence from its pages."""
+    if not config.scheduler_config.enable_chunked_prefill:
+        return 0
+    t = config.model_config.spec.text
+    elem = torch.empty((), dtype=config.model_config.dtype).element_size()
+    return 4 * config.model_config.max_model_len * t.num_key_value_heads * t.head_dim * elem
+
+
 def check_device_memory(config: VllmConfig, total_bytes: int) -> None:
     """Refuses, before anything is allocated, a configuration whose weights and worst-case
     prefill cannot fit in ``gpu_memory_utilization`` of ``total_bytes`` (raises ValueError
@@ -146,12 +160,13 @@ def check_device_memory(config: VllmConfig, total_bytes: int) -> None:
             f"{budget / GiB:.1f} GiB that --gpu-memory-utilization {util} allows on this GPU "
             f"({total_bytes / GiB:.1f} GiB): this model does not fit on one GPU in {dtype} "
             f"({smaller}tensor parallelism is not supported yet).")
-    activations = prefill_activation_estimate(config)
+    activations = prefill_activation_estimate(config) + context_gather_bytes(config)
     if weights + activations > budget:
         raise ValueError(
             f"The weights ({weights / GiB:.1f} GiB) and the largest prefill step "
-            f"(max_num_batched_tokens {sc.max_num_batched_tokens}: about "
-            f"{activations / GiB:.1f} GiB of activations) need more than the "
+            f"(max_num_batched_tokens {sc.max_num_batched_tokens} at max_model_len "
+            f"{mc.max_model_len}: about {activations / GiB:.1f} GiB of activations) need more "
+            "than the "
             f"{budget / GiB:.1f} GiB that --gpu-memory-utilization {util} allows on this GPU; "
             "lower --max-num-batched-tokens (without --enable-chunked-prefill prompts are "
             "prefilled whole, so also --max-model-len) or raise --gpu-memory-utilization.")
@@ -187,7 +202,7 @@ def determine_num_pages(cfg: VllmConfig, loaded: LoadedModel) -> int:
     # Reserved memory after the profile (its cache emptied): weights, buffers and the vision
     # graphs' private pool, which allocated-memory counters do not see.
     resident = torch.cuda.memory_reserved()
-    activations = max(peak - weights, 0)
+    activations = max(peak - weights, 0) + context_gather_bytes(cfg)
     graphs = 0 if cfg.model_config.enforce_eager else decode_graph_reserve(cfg)
     budget = (int(total * cfg.cache_config.gpu_memory_utilization) - resident - activations
               - graphs)
@@ -195,7 +210,8 @@ def determine_num_pages(cfg: VllmConfig, loaded: LoadedModel) -> int:
     usable = cfg.scheduler_config.max_num_seqs * pages_per_seq(cfg, lo)
     num = min(max(budget // lo.page_bytes, 0), usable)
     logger.info("Memory split (GiB): total %.2f x %.2f; weights %.2f; other resident "
-                "(buffers, vision graphs) %.2f; peak activations %.2f; decode graphs "
+                "(buffers, vision graphs) %.2f; peak activations (with a full-context chunk's "
+                "gathered K/V) %.2f; decode graphs "
                 "reserved %.2f; KV pages %.2f (%d pages of %d KiB)",
                 total / GiB, cfg.cache_config.gpu_memory_utilization, weights / GiB,
                 (resident - weights) / GiB, activations / GiB, graphs / GiB,
