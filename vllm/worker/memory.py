@@ -239,22 +239,25 @@ def check_context_fits(config: VllmConfig, layout: PageLayout, num_pages: int) -
     cc = config.cache_config
     fit = largest_fitting_len(config, layout, num_pages)
     images = f"{mc.limit_images_per_prompt} image(s) of cross-attention pages"
+    more = "--gpu-memory-utilization"
     if cc.num_gpu_blocks_override is not None:
         room = f"--num-gpu-blocks-override {cc.num_gpu_blocks_override}"
+        more = "--num-gpu-blocks-override"
     elif config.device_config.device.type == "cuda":
         room = (f"--gpu-memory-utilization {cc.gpu_memory_utilization} leaves "
                 f"{usable * layout.page_bytes / GiB:.2f} GiB for it")
     else:
-        room = f"the CPU KV cache space is {cc.cpu_kv_cache_space_bytes / GiB:.2f} GiB"
+        room = (f"the CPU KV cache space is {cc.cpu_kv_cache_space_bytes / GiB:.2f} GiB; on a "
+                "GPU, --gpu-memory-utilization sets it")
     quant = ("; --quantization fp8 or bitsandbytes stores the weights in 8 or 4 bits and "
-             "leaves the rest to the KV cache" if mc.quantization is None else "")
+             "leaves the rest to the KV cache"
+             if mc.quantization is None and cc.num_gpu_blocks_override is None else "")
     if fit >= 2 * layout.block_size:
         fix = (f"The largest max_model_len that fits is {fit}: pass --max-model-len {fit} (or "
-               f"less), or raise --gpu-memory-utilization{quant}.")
+               f"less), or raise {more}{quant}.")
     else:
-        fix = (f"Not even a {2 * layout.block_size}-token sequence fits: raise "
-               f"--gpu-memory-utilization, lower --max-model-len or --limit-mm-per-prompt"
-               f"{quant}.")
+        fix = (f"Not even a {2 * layout.block_size}-token sequence fits: raise {more}, lower "
+               f"--max-model-len or --limit-mm-per-prompt{quant}.")
     raise ValueError(
         f"max_model_len {mc.max_model_len} does not fit in the KV cache: one full-length "
         f"sequence needs {need} pages of {layout.block_size} tokens ({images} included), the "
