@@ -99,8 +99,11 @@ def test_requests_that_can_never_fit(roomy: LLM) -> None:
     engine = roomy.llm_engine
     with pytest.raises(ValueError, match="maximum context length"):
         engine.add_request("x", "word " * 300, SamplingParams())
-    small = _llm(num_gpu_blocks_override=8)  # fits max_model_len down to 48 tokens
-    assert small.llm_engine.config.model_config.max_model_len == 48
+    # 8 pages hold one sequence of at most 48 tokens: a longer max_model_len is refused up
+    # front, naming the largest that fits.
+    with pytest.raises(ValueError, match="largest max_model_len that fits is 48"):
+        _llm(num_gpu_blocks_override=8)
+    small = _llm(num_gpu_blocks_override=8, max_model_len=48)
     with pytest.raises(RequestTooLarge, match="KV pages"):
         small.llm_engine.add_request("y", "hello", SamplingParams(n=8, max_tokens=200))
     with pytest.raises(ValueError, match="image items"):

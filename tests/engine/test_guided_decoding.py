@@ -160,7 +160,8 @@ def test_n_sequences_have_a_matcher_each(graphs: LLM) -> None:
 def test_preemption_mid_grammar_resumes_the_matcher() -> None:
     """A pool too small for every request at once: constrained sequences are preempted and
     recomputed, their matchers resuming where their tokens are."""
-    tight = _llm(max_model_len=256, max_num_seqs=8, num_gpu_blocks_override=14)
+    # 22 pages: one full-length sequence (21 pages with its image's cross pages), not six.
+    tight = _llm(max_model_len=256, max_num_seqs=8, num_gpu_blocks_override=22)
     case = next(c for c in CASES if c.name == "nested")
     params = [
         SamplingParams(temperature=1.0, seed=i, max_tokens=200, guided_decoding=_guided(case, 1))
