@@ -56,6 +56,10 @@ class Sequence:
     # a constraint: created at its first sample, kept in step with its output tokens (kept
     # over preemption; rebuilt from the tokens if it ever saw more than the sequence has).
     grammar: Any = None
+    # Prefix caching: the keys of its full pages (a ``prefix_keys.PageKeyChain``, kept over
+    # preemption) and how many of its first pages are cached or were offered to the cache.
+    page_keys: Any = None
+    num_cached_pages: int = 0
 
     @property
     def prompt_len(self) -> int:

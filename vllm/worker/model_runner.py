@@ -212,7 +212,11 @@ class ModelRunner:
             if sampled is not None:
                 parts.append((sampled, len(samplers)))
         result = StepOutput(
-            seqs=out.sample_seqs, token_ids=[], num_prompt_tokens=out.num_prefill_tokens
+            seqs=out.sample_seqs,
+            token_ids=[],
+            num_prompt_tokens=out.num_prefill_tokens,
+            written=[(s, len(s) + s.inflight) for s in out.decode_seqs]
+            + [(c.seq, c.end) for c in out.chunks],
         )
         if deferred is None:
             handle = self.results.start(result, parts, prompt_logprobs)

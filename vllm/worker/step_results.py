@@ -55,6 +55,9 @@ class StepOutput:
     ranks: list[int] | None = None
     prompt_logprobs: dict[str, PromptLogprobs] = field(default_factory=dict)
     num_prompt_tokens: int = 0  # tokens a prefill step computed (for the engine's stats)
+    # (sequence, tokens whose K/V the step leaves written): full pages among them may be
+    # offered to the prefix cache once the step's results are collected.
+    written: list[tuple[Sequence, int]] = field(default_factory=list)
 
 
 @dataclass
