@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+import torch
 from helpers.compare import check_logprobs_close, vllm_greedy
 from PIL import Image
 
@@ -71,6 +72,21 @@ class _ComputedTokens:
         monkeypatch.setattr(model, "forward", spy)
 
 
+class _VisionImages:
+    """Counts the images the vision tower encodes."""
+
+    def __init__(self, llm: LLM, monkeypatch: pytest.MonkeyPatch) -> None:
+        vision = llm.llm_engine.runner.model.vision_model
+        self.images = 0
+        forward = vision.forward
+
+        def spy(pixel_values, *args, **kwargs):
+            self.images += pixel_values.shape[0]
+            return forward(pixel_values, *args, **kwargs)
+
+        monkeypatch.setattr(vision, "forward", spy)
+
+
 def _conversations() -> list[dict]:
     return [
         {"prompt": "A text chat " + "about many things " * 5},
@@ -117,6 +133,8 @@ def test_second_turn_equals_no_caching_and_computes_only_new_tokens(
         for p, o in zip(first, out1, strict=True)
     ]
     spy = _ComputedTokens(llm, monkeypatch)
+    vision = _VisionImages(llm, monkeypatch)
+    cross_hits = pool.cross_cache_hits
     queries, hits = pool.prefix_cache_queries, pool.prefix_cache_hits
     out2 = []
     expected_computed = expected_hits = 0
@@ -133,6 +151,10 @@ def test_second_turn_equals_no_caching_and_computes_only_new_tokens(
     assert pool.prefix_cache_hits - hits == expected_hits
     assert pool.prefix_cache_queries - queries == sum(len(p["prompt_token_ids"]) for p in second)
     assert spy.tokens == expected_computed
+    # Every turn-2 image request found its cross group: no image was encoded again (the
+    # two-group chat too: its first group is seen only by cached tokens).
+    assert vision.images == 0
+    assert pool.cross_cache_hits - cross_hits == 3
     _same(plain.generate(second, GREEDY, use_tqdm=False), out2, "turn 2")
     engine.check_integrity()
     assert pool.usage() == 0.0  # cached pages count as free
@@ -187,3 +209,36 @@ def test_off_by_default() -> None:
 
     args = EngineArgs(model="demo/mllama-tiny")
     assert args.create_engine_config().scheduler_config.enable_prefix_caching is False
+
+
+def _cross_rows(engine, pages: list[int]) -> list[tuple]:
+    _, crosses = engine.runner.model.attention_layers()
+    return [(a.kv_cache[0][pages].clone(), a.kv_cache[1][pages].clone()) for a in crosses]
+
+
+def test_a_reused_cross_group_is_bitwise_a_fresh_one(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Other text, the same image: the second request reads the first one's cross pages
+    (no vision) and its outputs equal a fresh encoding's; those pages hold bitwise what a
+    fresh encoding (another salt) writes."""
+    llm = _llm(enable_prefix_caching=True)
+    engine = llm.llm_engine
+    pool = engine.block_manager.pool
+    image = _image(7)
+    one = {"prompt": "<|image|><|begin_of_text|>One", "multi_modal_data": {"image": image}}
+    other = {
+        "prompt": "<|image|><|begin_of_text|>Another text " + "entirely " * 5,
+        "multi_modal_data": {"image": image},
+    }
+    llm.generate([one], GREEDY, use_tqdm=False)
+    (entry,) = pool._cross.values()
+    first = _cross_rows(engine, entry.pages)
+    vision = _VisionImages(llm, monkeypatch)
+    reused = llm.generate([other], GREEDY, use_tqdm=False)
+    assert vision.images == 0 and pool.cross_cache_hits == 1
+    fresh = llm.generate([{**other, "cache_salt": "s"}], GREEDY, use_tqdm=False)
+    assert vision.images == 1
+    _same(fresh, reused, "cross group reused")
+    (salted,) = [e for e in pool._cross.values() if e is not entry]
+    for (k0, v0), (k1, v1) in zip(first, _cross_rows(engine, salted.pages), strict=True):
+        assert torch.equal(k0, k1) and torch.equal(v0, v1)
+    engine.check_integrity()

@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 from vllm.core.prefix_cache import NULL_PAGE, CachingPagePool, NoFreePages
-from vllm.core.prefix_keys import chain_for, max_cached_pages
+from vllm.core.prefix_keys import chain_for, cross_key_for, images_seen, max_cached_pages
 from vllm.core.sequence import Request, Sequence
 
 __all__ = ["NULL_PAGE", "BlockManager", "NoFreePages"]
@@ -73,14 +73,38 @@ class BlockManager:
                 hits, evictable = hits + h, evictable + e
         return hits, evictable
 
+    def _cross_key(self, request: Request) -> bytes | None:
+        if not self._caches(request):
+            return None
+        if request.cross_key is None:
+            request.cross_key = cross_key_for(request.inputs)
+        return request.cross_key
+
+    def skips_vision(self, request: Request, seqs: list[Sequence]) -> bool:
+        """Whether an admission now runs no vision: the request's cross group is cached, and
+        the tokens its sequences compute (past their cached pages) see only that group."""
+        key = self._cross_key(request)
+        if key is None or self.pool.probe_cross(key) is None:
+            return False
+        first = request.inputs.last_group[0]
+        for s in seqs:
+            lo, hi = images_seen(request.inputs.runs, self.cached_tokens(s), len(s))
+            if hi > lo and lo < first:
+                return False
+        return True
+
     def pages_needed_for_prefill(self, request: Request, seqs: list[Sequence]) -> int:
         """Pages an admission takes from ``num_free``: the new ones, plus the cached pages it
         matches that are evictable now (they stop counting as free)."""
         need = sum(self.pages_for_tokens(len(s)) for s in seqs)
         hits, evictable = self.probe_prefill(seqs)
         need += evictable - hits
-        if not request.cross_block_table:
-            need += self.cross_pages_for(request)
+        if not request.cross_block_table and request.has_images:
+            if self.skips_vision(request, seqs):
+                size, cross_evictable = self.pool.probe_cross(self._cross_key(request))
+                need += size if cross_evictable else 0
+            else:
+                need += self.cross_pages_for(request)
         return need
 
     def cached_tokens(self, seq: Sequence) -> int:
@@ -93,6 +117,9 @@ class BlockManager:
         """Pages for every token of ``seqs`` (their cached prefix first) and, once per
         request, its cross pages. Returns each sequence's cached tokens, by seq_id."""
         starts: dict[int, int] = {}
+        # Decided before the matches below change what counts as evictable.
+        skip_vision = (not request.cross_block_table and request.has_images
+                       and self.skips_vision(request, seqs))
         for s in seqs:
             assert not s.block_table
             keys = self._lookup_keys(s)
@@ -100,9 +127,15 @@ class BlockManager:
             s.num_cached_pages = len(cached)
             starts[s.seq_id] = len(cached) * self.block_size
             s.block_table = cached
-        if not request.cross_block_table and request.has_images:
+        if skip_vision:
+            # Written by an earlier request: this one's prefill reads its K/V from the pages.
+            pages = self.pool.match_cross(request.cross_key)
+            assert pages is not None
+            request.cross_block_table = pages
+            request.cross_written = request.cross_cached = True
+        elif not request.cross_block_table and request.has_images:
             request.cross_block_table = self.pool.allocate(self.cross_pages_for(request))
-            request.cross_written = False
+            request.cross_written = request.cross_cached = False
         for s in seqs:
             s.block_table += self.pool.allocate(
                 self.pages_for_tokens(len(s)) - len(s.block_table))
@@ -121,6 +154,13 @@ class BlockManager:
         for i in range(seq.num_cached_pages, min(full, len(seq.block_table))):
             self.pool.cache_self(chain.keys[i], seq.block_table[i], i)
         seq.num_cached_pages = full
+
+    def cache_cross(self, request: Request, pages: list[int]) -> None:
+        """Registers the request's cross group, written by a step whose results were
+        collected (``pages``: its cross table then; nothing if it no longer holds them)."""
+        key = self._cross_key(request)
+        if key is not None and pages and request.cross_block_table == pages:
+            self.pool.cache_cross(key, pages)
 
     # ------------------------------------------------------------------ decode and fork
     def needs_new_page(self, seq: Sequence) -> bool:
@@ -160,7 +200,7 @@ class BlockManager:
     def free_cross(self, request: Request) -> None:
         self.pool.decref(request.cross_block_table)
         request.cross_block_table = []
-        request.cross_written = False
+        request.cross_written = request.cross_cached = False
 
     def free_request(self, request: Request, seqs: list[Sequence]) -> None:
         """Frees the pages of ``seqs`` and the request's cross pages as one release (they
@@ -170,7 +210,7 @@ class BlockManager:
             s.block_table = []
             s.num_cached_pages = 0
         request.cross_block_table = []
-        request.cross_written = False
+        request.cross_written = request.cross_cached = False
 
     def check_integrity(self, requests: Iterable[Request]) -> None:
         owners: list[list[int]] = []

@@ -226,11 +226,16 @@ class Scheduler:
         if not req.has_images or self.config.encoder_layers_per_step == 0:
             return False
         p = self.tracker.get(req)
-        return p is None or not p.encoded
+        if p is None:  # a cached cross group may make its vision unnecessary
+            return not self.bm.skips_vision(req, req.unfinished_seqs())
+        return not p.encoded
 
     def _chunk_tiles(self, req: Request, start: int, end: int, carried: set[str]) -> int:
-        """Vision tiles a chunk adds to the step (its request's images, once per step)."""
+        """Vision tiles a chunk adds to the step (its request's images, once per step; none
+        when its prefill reads a cached cross group instead)."""
         if req.request_id in carried or not req.inputs.sees_images(start, end):
+            return 0
+        if req.cross_cached:
             return 0
         return req.inputs.num_images * self.tiles_per_image
 
@@ -244,6 +249,8 @@ class Scheduler:
         start = self.bm.cached_tokens(seq)
         if not self.config.enable_chunked_prefill and len(seq) - start > budget:
             return False
+        if req.has_images and self.bm.skips_vision(req, req.unfinished_seqs()):
+            return True
         return self._chunk_tiles(req, start, min(len(seq), start + budget), carried) <= tiles
 
     def _chunks(self, req: Request, out: SchedulerOutput, budget: int, tiles: int,
@@ -325,6 +332,8 @@ class Scheduler:
             if p is not None and p.encoded:
                 continue
             if p is None:
+                if self.bm.skips_vision(req, req.unfinished_seqs()):
+                    continue  # its prefill reads a cached cross group
                 if ahead >= MAX_ENCODED_AHEAD:
                     continue  # those already under way go on (a later one may be first now)
                 ahead += 1
@@ -385,11 +394,15 @@ class Scheduler:
             self.waiting.remove(req)
         return req
 
-    def cache_written(self, written: list[tuple[Sequence, int]]) -> None:
+    def cache_written(self, written: list[tuple[Sequence, int]],
+                      cross: list[tuple[Request, list[int]]] = ()) -> None:
         """A step's results were collected: each (sequence, tokens with K/V written) may
-        complete pages for the prefix cache."""
+        complete pages for the prefix cache, and each (request, cross table) wrote its
+        cross group."""
         for seq, n in written:
             self.bm.cache_written(seq, n)
+        for req, pages in cross:
+            self.bm.cache_cross(req, pages)
 
     def check_integrity(self) -> None:
         self.bm.check_integrity(self.requests.values())

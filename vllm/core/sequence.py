@@ -90,6 +90,10 @@ class Request:
     seqs: list[Sequence] = field(default_factory=list)
     cross_block_table: list[int] = field(default_factory=list)
     cross_written: bool = False
+    # Prefix caching: the key of its cross group, and whether its cross pages came written
+    # from the cache (its prefill then reads their K/V and runs no vision).
+    cross_key: bytes | None = None
+    cross_cached: bool = False
     forked: bool = False  # siblings created (n > 1 after the first prefill)
     prompt_logprobs: list[dict[int, Any] | None] | None = None
     first_scheduled_time: float | None = None

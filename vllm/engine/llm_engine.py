@@ -345,7 +345,7 @@ class LLMEngine:
 
     def _collect(self, handle: StepHandle) -> list[RequestOutput]:
         result = self.runner.collect(handle)
-        self.scheduler.cache_written(result.written)
+        self.scheduler.cache_written(result.written, result.written_cross)
         return self.output_processor.process(result, self.scheduler, self.runner)
 
     def _release_preempted(self, out: SchedulerOutput) -> None:

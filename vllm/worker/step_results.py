@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from vllm.core.sequence import Sequence
+from vllm.core.sequence import Request, Sequence
 from vllm.model_executor.layers.sampler import SamplerOutput
 
 # Prompt logprobs of one request: [T, 1 + k] values and ids, [T] ranks; rank 0 marks a
@@ -58,6 +58,8 @@ class StepOutput:
     # (sequence, tokens whose K/V the step leaves written): full pages among them may be
     # offered to the prefix cache once the step's results are collected.
     written: list[tuple[Sequence, int]] = field(default_factory=list)
+    # (request, its cross table) for each request whose cross group the step wrote.
+    written_cross: list[tuple[Request, list[int]]] = field(default_factory=list)
 
 
 @dataclass
