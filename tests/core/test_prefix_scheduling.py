@@ -20,6 +20,7 @@ from hypothesis import strategies as st
 from vllm import SamplingParams
 from vllm.config import SchedulerConfig
 from vllm.core.block_manager import BlockManager
+from vllm.core.prefix_keys import images_seen
 from vllm.core.scheduler import RequestTooLarge, Scheduler
 from vllm.core.scheduler_output import SchedulerOutput
 from vllm.core.sequence import Request, Sequence, SequenceStatus
@@ -53,6 +54,12 @@ def _inputs(ids: list[int], images: list[int], salt: str | None) -> ProcessedInp
     )
 
 
+def _cross_content(req: Request) -> tuple:
+    """What a request's cross pages hold: its last group's images and the salt."""
+    first, end = req.inputs.last_group
+    return (tuple(req.inputs.images.digests[first:end]), req.inputs.cache_salt)
+
+
 def _content(seq: Sequence, pos: int) -> tuple:
     """What the K/V of ``seq`` at ``pos`` depends on."""
     inputs = seq.request.inputs
@@ -69,6 +76,7 @@ class KVSim:
         self.slots: dict[tuple[int, int], tuple] = {}
         self.outputs: dict[str, list[int]] = {}
         self.computed = 0
+        self.vision_skipped = 0
 
     def _read(self, seq: Sequence, upto: int) -> None:
         for pos in range(upto):
@@ -79,13 +87,33 @@ class KVSim:
     def _write(self, seq: Sequence, pos: int) -> None:
         self.slots[(seq.block_table[pos // BLOCK], pos % BLOCK)] = _content(seq, pos)
 
+    def _read_cross(self, req: Request) -> None:
+        assert req.cross_written and req.cross_block_table
+        for page in req.cross_block_table:
+            assert self.slots.get((page, "cross")) == _cross_content(req), req.request_id
+
     def run(self, out: SchedulerOutput, token: int) -> None:
-        written = []
+        written, cross = [], []
         for s in out.decode_seqs:
             self._read(s, len(s) - 1)
             self._write(s, len(s) - 1)
+            if s.request.has_images:
+                self._read_cross(s.request)
             written.append((s, len(s)))
         for c in out.chunks:
+            req = c.seq.request
+            if req.has_images and req.inputs.sees_images(c.start, c.end):
+                if req.cross_cached:
+                    # No vision: its tokens may see nothing but the cached last group.
+                    lo, hi = images_seen(req.inputs.runs, c.start, c.end)
+                    assert hi == lo or lo >= req.inputs.last_group[0], req.request_id
+                    self.vision_skipped += 1
+                elif not req.cross_written:
+                    for page in req.cross_block_table:
+                        self.slots[(page, "cross")] = _cross_content(req)
+                    req.cross_written = True
+                    cross.append((req, list(req.cross_block_table)))
+                self._read_cross(req)
             self._read(c.seq, c.start)
             for pos in range(c.start, c.end):
                 self._write(c.seq, pos)
@@ -95,7 +123,7 @@ class KVSim:
             for off in range(BLOCK):
                 if (src, off) in self.slots:
                     self.slots[(dst, off)] = self.slots[(src, off)]
-        self.sched.cache_written(written)
+        self.sched.cache_written(written, cross)
         for seq in out.sample_seqs:
             if seq.status.finished:
                 continue
@@ -214,6 +242,7 @@ def test_second_turn_computes_only_its_new_tokens() -> None:
     cached = written // BLOCK * BLOCK
     assert sim.bm.pool.prefix_cache_hits - hits0 == cached
     assert sim.computed == len(second) - cached
+    assert sim.vision_skipped == 1  # its cross group was shared
     # The same tokens with another image, or another salt: nothing is shared.
     for rid, image, salt in (("other-image", 1, None), ("other-salt", 0, "tenant")):
         sim.computed = 0
