@@ -14,6 +14,8 @@ from PIL import Image
 from vllm import LLM, SamplingParams
 from vllm.attention.metadata import PrefillMetadata
 from vllm.forward_context import get_attention_metadata
+from vllm.model_executor.models.mllama_vision import ImagesEncoding
+from vllm.worker import model_runner
 
 GREEDY = SamplingParams(temperature=0, max_tokens=9, ignore_eos=True, logprobs=3)
 BLOCK = 16
@@ -73,7 +75,8 @@ class _ComputedTokens:
 
 
 class _VisionImages:
-    """Counts the images the vision tower encodes."""
+    """Counts the images the vision tower encodes: inside a prefill step (its forward) or
+    ahead of it, over several steps (``ImagesEncoding``)."""
 
     def __init__(self, llm: LLM, monkeypatch: pytest.MonkeyPatch) -> None:
         vision = llm.llm_engine.runner.model.vision_model
@@ -84,7 +87,12 @@ class _VisionImages:
             self.images += pixel_values.shape[0]
             return forward(pixel_values, *args, **kwargs)
 
+        def encoding(model, pixel_values, *args, **kwargs):
+            self.images += pixel_values.shape[0]
+            return ImagesEncoding(model, pixel_values, *args, **kwargs)
+
         monkeypatch.setattr(vision, "forward", spy)
+        monkeypatch.setattr(model_runner, "ImagesEncoding", encoding)
 
 
 def _conversations() -> list[dict]:
@@ -118,14 +126,21 @@ def test_second_turn_equals_no_caching_and_computes_only_new_tokens(
     plain: LLM, monkeypatch: pytest.MonkeyPatch, chunked: bool
 ) -> None:
     llm = (
-        _llm(enable_prefix_caching=True, enable_chunked_prefill=True, max_num_batched_tokens=24)
+        _llm(
+            enable_prefix_caching=True,
+            enable_chunked_prefill=True,
+            max_num_batched_tokens=24,
+            encoder_layers_per_step=2,
+        )
         if chunked
         else _llm(enable_prefix_caching=True)
     )
     engine = llm.llm_engine
     pool = engine.block_manager.pool
     first = [_as_ids(llm, p) for p in _conversations()]
+    vision = _VisionImages(llm, monkeypatch)
     out1 = llm.generate(first, GREEDY, use_tqdm=False)
+    assert vision.images == 4  # the spy sees this engine's encodings
     _same(plain.generate(first, GREEDY, use_tqdm=False), out1, "turn 1")
     new = engine.process_inputs("and then what happened next?").prompt_token_ids[1:]
     second = [
@@ -133,7 +148,7 @@ def test_second_turn_equals_no_caching_and_computes_only_new_tokens(
         for p, o in zip(first, out1, strict=True)
     ]
     spy = _ComputedTokens(llm, monkeypatch)
-    vision = _VisionImages(llm, monkeypatch)
+    vision.images = 0
     cross_hits = pool.cross_cache_hits
     queries, hits = pool.prefix_cache_queries, pool.prefix_cache_hits
     out2 = []
