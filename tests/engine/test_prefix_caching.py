@@ -257,3 +257,37 @@ def test_a_reused_cross_group_is_bitwise_a_fresh_one(monkeypatch: pytest.MonkeyP
     for (k0, v0), (k1, v1) in zip(first, _cross_rows(engine, salted.pages), strict=True):
         assert torch.equal(k0, k1) and torch.equal(v0, v1)
     engine.check_integrity()
+
+
+def test_preempted_request_finds_its_pages_and_n_siblings(plain: LLM) -> None:
+    """A request preempted mid-decode resumes from its own cached pages; n > 1 siblings
+    (seeded sampling) sample as without caching."""
+    llm = _llm(enable_prefix_caching=True, async_scheduling=False)
+    engine = llm.llm_engine
+    pool = engine.block_manager.pool
+    prompts = [c for c in _conversations()[:2]]
+    engine.add_request("a", prompts[0], GREEDY)
+    engine.add_request("b", prompts[1], GREEDY)
+    for _ in range(4):
+        engine.step()
+    sched = engine.scheduler
+    hits = pool.prefix_cache_hits
+    sched.preempt(sched.requests["a"])
+    for s in sched.requests["a"].seqs:
+        engine.runner.release(s)
+    outs = {}
+    while engine.has_unfinished_requests():
+        for o in engine.step():
+            if o.finished:
+                outs[o.request_id] = o
+        engine.check_integrity()
+    assert pool.prefix_cache_hits > hits  # "a" took its own pages back
+    ref = plain.generate(prompts, GREEDY, use_tqdm=False)
+    _same(ref, [outs["a"], outs["b"]], "preempted")
+    params = SamplingParams(n=3, temperature=1.0, seed=11, max_tokens=6, logprobs=2)
+    for _ in range(2):  # the second time from the cache
+        got = llm.generate(prompts, params, use_tqdm=False)
+        want = plain.generate(prompts, params, use_tqdm=False)
+        for g, w in zip(got, want, strict=True):
+            assert [c.token_ids for c in g.outputs] == [c.token_ids for c in w.outputs]
+    engine.check_integrity()
