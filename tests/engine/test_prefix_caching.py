@@ -291,3 +291,17 @@ def test_preempted_request_finds_its_pages_and_n_siblings(plain: LLM) -> None:
         for g, w in zip(got, want, strict=True):
             assert [c.token_ids for c in g.outputs] == [c.token_ids for c in w.outputs]
     engine.check_integrity()
+
+
+def test_reset_prefix_cache() -> None:
+    llm = _llm(enable_prefix_caching=True)
+    pool = llm.llm_engine.block_manager.pool
+    prompt = "Reset the cache " * 12
+    llm.generate([prompt], GREEDY, use_tqdm=False)
+    assert llm.reset_prefix_cache()
+    hits = pool.prefix_cache_hits
+    llm.generate([prompt], GREEDY, use_tqdm=False)
+    assert pool.prefix_cache_hits == hits  # nothing was left to find
+    llm.generate([prompt], GREEDY, use_tqdm=False)
+    assert pool.prefix_cache_hits > hits  # and caching goes on
+    llm.llm_engine.check_integrity()

@@ -210,6 +210,12 @@ class LLMEngine:
         if self._pending is not None and not self.scheduler.has_unfinished():
             self._collect(self._take_pending())  # only aborted sequences were in flight
 
+    def reset_prefix_cache(self) -> bool:
+        """Forgets every cached page and cross group: nothing is matched again until
+        written again (pages in use stay with their owners)."""
+        self.block_manager.pool.reset()
+        return True
+
     def reset_counters(self) -> None:
         """Zeroes the step counters (graph replays, host time, ...), the preemption count and
         the request and step statistics behind /metrics."""

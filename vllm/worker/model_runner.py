@@ -112,6 +112,7 @@ class ModelRunner:
             fused=fused,
         )
         self.stats = RunnerStats()
+        self.prefix_caching = sc.enable_prefix_caching  # report what each step writes
         self.results = ResultCopier(self.device, sc.max_num_seqs)
         self.grammar_rows = GrammarRows(sc.max_num_seqs, self.vocab_size, self.device)
         # The last decode batch's sequences and sampling inputs, while they cannot change
@@ -216,10 +217,11 @@ class ModelRunner:
             seqs=out.sample_seqs,
             token_ids=[],
             num_prompt_tokens=out.num_prefill_tokens,
-            written=[(s, len(s) + s.inflight) for s in out.decode_seqs]
-            + [(c.seq, c.end) for c in out.chunks],
-            written_cross=written_cross,
         )
+        if self.prefix_caching:
+            result.written = [(s, len(s) + s.inflight) for s in out.decode_seqs]
+            result.written += [(c.seq, c.end) for c in out.chunks]
+            result.written_cross = written_cross
         if deferred is None:
             handle = self.results.start(result, parts, prompt_logprobs)
         else:

@@ -56,7 +56,8 @@ class StepOutput:
     prompt_logprobs: dict[str, PromptLogprobs] = field(default_factory=dict)
     num_prompt_tokens: int = 0  # tokens a prefill step computed (for the engine's stats)
     # (sequence, tokens whose K/V the step leaves written): full pages among them may be
-    # offered to the prefix cache once the step's results are collected.
+    # offered to the prefix cache once the step's results are collected (filled only with
+    # prefix caching on).
     written: list[tuple[Sequence, int]] = field(default_factory=list)
     # (request, its cross table) for each request whose cross group the step wrote.
     written_cross: list[tuple[Request, list[int]]] = field(default_factory=list)
