@@ -28,6 +28,10 @@ COMMANDS = {
         "benchmarks.engine.guided",
         "decode step time with every row under a JSON schema vs free rows, compile times",
     ),
+    "long-context": (
+        "benchmarks.engine.long_context",
+        "the whole 128k context: no-flag start-up split, TTFT at 8k-128k, decode at long context",
+    ),
     "serving-loop": (
         "benchmarks.engine.serving_loop",
         "closed-loop TTFT and inter-token latency with image arrivals, per-step trace",

@@ -376,6 +376,24 @@ def test_ttft_tiles_smoke(tmp_path: Path) -> None:
     assert all(r["ttft_ms"] > 0 for r in rows)
 
 
+def test_long_context_smoke(tmp_path: Path) -> None:
+    """python -m benchmarks.engine long-context --smoke: the no-flag engine's start-up split,
+    TTFT with and without an image against a positive floor at each length, and decode at
+    long context against the short step plus its KV bytes."""
+    out = tmp_path / "long.json"
+    _run_module("benchmarks.engine", "long-context", "--smoke", "--out", str(out))
+    res = json.loads(out.read_text())
+    start = res["startup_s"]
+    parts = [start[k] for k in ("load", "vision graphs", "profile", "decode graphs", "warm-up")]
+    assert all(v >= 0 for v in parts) and sum(parts) <= start["total"]
+    assert res["max_num_batched_tokens"] < res["max_model_len"]  # chunked: the serving default
+    assert [(r["tokens"], r["image"]) for r in res["ttft"]] == [
+        (256, False), (256, True), (512, False), (512, True)]
+    assert all(r["ttft_ms"] > 0 and r["floor_ms"] > 0 for r in res["ttft"])
+    (dec,) = res["decode"]
+    assert dec["ms_per_step"] > 0 and dec["floor_ms"] > res["decode_short_ms"] > 0
+
+
 def test_quant_smoke(tmp_path: Path) -> None:
     """python -m benchmarks.engine quant --smoke: bf16 and load-time NF4 on the tiny model, each
     format's decode points and TTFT, the 4-bit linears' stored bytes well under bf16's, and

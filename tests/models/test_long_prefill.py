@@ -3,8 +3,8 @@
 Past about 75k tokens, a kernel offset of ``row * 28,672`` (the gate|up rows) no longer fits in
 32 bits. These run whole prefills of 81,920 and 131,072 tokens through the fused kernels and
 compare the logits at sampled positions with the same weights under plain torch kernels, and
-serve a prompt of nearly ``max_model_len`` = 131,072 tokens through the engine (whose start-up
-memory profile itself runs a full-length prefill).
+serve a prompt of nearly ``max_model_len`` = 131,072 tokens through the engine (with its
+serving defaults: chunked prefill, the memory profile one step of the token budget).
 """
 
 from __future__ import annotations
@@ -81,9 +81,9 @@ def test_full_context_prefill_matches_torch_kernels(loaded, n: int) -> None:
 
 
 def test_engine_serves_a_full_context_prompt(loaded) -> None:
-    """The engine (its memory profile a full-length prefill) serves a prompt of nearly
-    max_model_len tokens. Built without the start-up warm-up, which at this step budget runs
-    every prefill row count's GEMMs (minutes) and is not what is tested here."""
+    """The engine (chunked prefill, the serving default) serves a prompt of nearly
+    max_model_len tokens. Built without the start-up warm-up, which is not what is tested
+    here."""
     from vllm import SamplingParams
     from vllm.engine.llm_engine import LLMEngine
 
@@ -96,7 +96,7 @@ def test_engine_serves_a_full_context_prompt(loaded) -> None:
     engine.add_request("long", {"prompt_token_ids": ids},
                        SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))
     done = []
-    for _ in range(50):
+    for _ in range(2 * MAX_LEN // 512):  # 256 chunks of the 512-token budget
         done += [o for o in engine.step() if o.finished]
         if not engine.has_unfinished_requests():
             break

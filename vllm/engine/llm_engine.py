@@ -21,6 +21,7 @@ from vllm.core.sequence import Request
 from vllm.engine.arg_utils import EngineArgs
 from vllm.engine.errors import DeviceError, device_error, is_device_error
 from vllm.engine.output_processor import OutputProcessor
+from vllm.engine.startup import StartupTimes
 from vllm.engine.stats import EngineStats
 from vllm.engine.warmup import warm_up
 from vllm.logger import init_logger
@@ -30,7 +31,7 @@ from vllm.outputs import RequestOutput
 from vllm.sampling_params import SamplingParams
 from vllm.transformers_utils.tokenizer import get_image_processor, get_tokenizer
 from vllm.worker.loaded_model import load_model
-from vllm.worker.memory import determine_num_pages, fit_config_to_pages
+from vllm.worker.memory import check_context_fits, determine_num_pages
 from vllm.worker.model_runner import ModelRunner, RunnerStats
 from vllm.worker.step_results import StepHandle
 
@@ -64,8 +65,10 @@ class LLMEngine:
         # The model first, with the configuration as asked; the memory profile fits the
         # configuration to the pages that fit, and the runner is built with that one.
         loaded = load_model(config)
+        t_profile = time.perf_counter()
         num_pages = determine_num_pages(config, loaded)
-        config = fit_config_to_pages(config, loaded.layout, num_pages)
+        profile_seconds = time.perf_counter() - t_profile
+        check_context_fits(config, loaded.layout, num_pages)
         self.config = config
         self.runner = ModelRunner(config, loaded, num_pages)
         mc = config.model_config
@@ -105,8 +108,18 @@ class LLMEngine:
                     num_pages - 1, lo.block_size, config.model_config.max_model_len,
                     config.scheduler_config.max_num_seqs)
         # None: on CUDA only, where first uses of kernels compile (see vllm/engine/warmup.py).
+        warmup_seconds = 0.0
         if warmup if warmup is not None else self.runner.device.type == "cuda":
+            t_warm = time.perf_counter()
             warm_up(self)
+            warmup_seconds = time.perf_counter() - t_warm
+        graphs = self.runner.graphs
+        self.startup_times = StartupTimes(
+            load=loaded.load_seconds, vision_graphs=loaded.vision_graph_seconds,
+            profile=profile_seconds,
+            decode_graphs=graphs.capture_time_s if graphs is not None else 0.0,
+            warmup=warmup_seconds, total=time.perf_counter() - t0)
+        logger.info("%s", self.startup_times.describe())
 
     @classmethod
     def from_engine_args(cls, args: EngineArgs) -> LLMEngine:

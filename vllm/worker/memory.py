@@ -1,14 +1,15 @@
-"""How many KV pages fit, and fitting the configuration to them.
+"""How many KV pages fit, and whether one full-length sequence fits them.
 
 CUDA: a worst-case prefill (``max_num_batched_tokens`` tokens with the per-step vision budget
-of images) is run once without caches and its peak is measured; decode-graph memory is
-reserved before the pool is sized; the rest of ``gpu_memory_utilization`` becomes pages.
+of images) is run once without caches and its peak is measured, plus what a chunk continuing a
+full-length context gathers from the pages; decode-graph memory is reserved before the pool is
+sized; the rest of ``gpu_memory_utilization`` becomes pages. No step is larger than the
+budget, whatever max_model_len is.
 CPU: the pool holds what the scheduler can ever use, capped by ``cpu_kv_cache_space_bytes``.
 """
 
 from __future__ import annotations
 
-import dataclasses
 from typing import TYPE_CHECKING
 
 import torch
@@ -126,6 +127,18 @@ def prefill_activation_estimate(config: VllmConfig) -> int:
     return tokens * (3 * t.intermediate_size + 4 * t.hidden_size) * elem
 
 
+def context_gather_bytes(config: VllmConfig) -> int:
+    """Bytes a prefill chunk with context holds beyond what the profile (chunks without
+    context) measures: its layer's keys and values of up to max_model_len tokens gathered from
+    the pages (``ops/sdpa.py``), one of them twice while it is gathered, plus one more for the
+    allocator's slack. Only chunked prefill continues a sequence from its pages."""
+    if not config.scheduler_config.enable_chunked_prefill:
+        return 0
+    t = config.model_config.spec.text
+    elem = torch.empty((), dtype=config.model_config.dtype).element_size()
+    return 4 * config.model_config.max_model_len * t.num_key_value_heads * t.head_dim * elem
+
+
 def check_device_memory(config: VllmConfig, total_bytes: int) -> None:
     """Refuses, before anything is allocated, a configuration whose weights and worst-case
     prefill cannot fit in ``gpu_memory_utilization`` of ``total_bytes`` (raises ValueError
@@ -147,15 +160,16 @@ def check_device_memory(config: VllmConfig, total_bytes: int) -> None:
             f"{budget / GiB:.1f} GiB that --gpu-memory-utilization {util} allows on this GPU "
             f"({total_bytes / GiB:.1f} GiB): this model does not fit on one GPU in {dtype} "
             f"({smaller}tensor parallelism is not supported yet).")
-    activations = prefill_activation_estimate(config)
+    activations = prefill_activation_estimate(config) + context_gather_bytes(config)
     if weights + activations > budget:
         raise ValueError(
             f"The weights ({weights / GiB:.1f} GiB) and the largest prefill step "
-            f"(max_num_batched_tokens {sc.max_num_batched_tokens}: about "
-            f"{activations / GiB:.1f} GiB of activations) need more than the "
+            f"(max_num_batched_tokens {sc.max_num_batched_tokens} at max_model_len "
+            f"{mc.max_model_len}: about {activations / GiB:.1f} GiB of activations) need more "
+            "than the "
             f"{budget / GiB:.1f} GiB that --gpu-memory-utilization {util} allows on this GPU; "
-            "lower --max-num-batched-tokens (prompts are prefilled whole, so also "
-            "--max-model-len) or raise --gpu-memory-utilization.")
+            "lower --max-num-batched-tokens (without --enable-chunked-prefill prompts are "
+            "prefilled whole, so also --max-model-len) or raise --gpu-memory-utilization.")
 
 
 def decode_graph_reserve(config: VllmConfig) -> int:
@@ -188,7 +202,7 @@ def determine_num_pages(cfg: VllmConfig, loaded: LoadedModel) -> int:
     # Reserved memory after the profile (its cache emptied): weights, buffers and the vision
     # graphs' private pool, which allocated-memory counters do not see.
     resident = torch.cuda.memory_reserved()
-    activations = max(peak - weights, 0)
+    activations = max(peak - weights, 0) + context_gather_bytes(cfg)
     graphs = 0 if cfg.model_config.enforce_eager else decode_graph_reserve(cfg)
     budget = (int(total * cfg.cache_config.gpu_memory_utilization) - resident - activations
               - graphs)
@@ -196,7 +210,8 @@ def determine_num_pages(cfg: VllmConfig, loaded: LoadedModel) -> int:
     usable = cfg.scheduler_config.max_num_seqs * pages_per_seq(cfg, lo)
     num = min(max(budget // lo.page_bytes, 0), usable)
     logger.info("Memory split (GiB): total %.2f x %.2f; weights %.2f; other resident "
-                "(buffers, vision graphs) %.2f; peak activations %.2f; decode graphs "
+                "(buffers, vision graphs) %.2f; peak activations (with a full-context chunk's "
+                "gathered K/V) %.2f; decode graphs "
                 "reserved %.2f; KV pages %.2f (%d pages of %d KiB)",
                 total / GiB, cfg.cache_config.gpu_memory_utilization, weights / GiB,
                 (resident - weights) / GiB, activations / GiB, graphs / GiB,
@@ -204,24 +219,47 @@ def determine_num_pages(cfg: VllmConfig, loaded: LoadedModel) -> int:
     return num + 1
 
 
-def fit_config_to_pages(config: VllmConfig, layout: PageLayout, num_pages: int) -> VllmConfig:
-    """Lowers max_model_len when one full-length sequence cannot fit, or fails with the flags
-    to change. Returns a new config (configs are immutable)."""
+def largest_fitting_len(config: VllmConfig, layout: PageLayout, num_pages: int) -> int:
+    """The longest max_model_len whose one full-length sequence (and its full image group's
+    cross pages) fits ``num_pages`` (the null page included); at most the configured one."""
+    cross = layout.cross_pages_for_tokens(config.model_config.max_encoder_seq_len)
+    fit = (num_pages - 1 - cross) * layout.block_size
+    return max(0, min(fit, config.model_config.max_model_len))
+
+
+def check_context_fits(config: VllmConfig, layout: PageLayout, num_pages: int) -> None:
+    """Refuses a configuration whose one full-length sequence cannot fit the KV pool (raises
+    ValueError naming the flags and the largest max_model_len that fits), before the runner
+    allocates anything: a request as long as max_model_len must always be servable."""
     usable = num_pages - 1
     need = pages_per_seq(config, layout)
     if usable >= need:
-        return config
+        return
     mc = config.model_config
-    cross = layout.cross_pages_for_tokens(mc.max_encoder_seq_len)
-    fit_len = (usable - cross) * layout.block_size
-    if fit_len < 2 * layout.block_size:
-        raise ValueError(
-            f"The KV cache has room for {usable} pages, but one sequence needs {need} "
-            f"(max_model_len {mc.max_model_len}, {mc.limit_images_per_prompt} image(s)). Raise "
-            "--gpu-memory-utilization, or lower --max-model-len, --limit-mm-per-prompt or "
-            "--max-num-batched-tokens.")
-    logger.warning("max_model_len %d does not fit in the KV cache (%d pages); lowering it to %d."
-                   " Set --max-model-len to choose.", mc.max_model_len, usable, fit_len)
-    mc = dataclasses.replace(mc, max_model_len=fit_len)
-    sc = dataclasses.replace(config.scheduler_config, max_model_len=fit_len)
-    return dataclasses.replace(config, model_config=mc, scheduler_config=sc)
+    cc = config.cache_config
+    fit = largest_fitting_len(config, layout, num_pages)
+    images = f"{mc.limit_images_per_prompt} image(s) of cross-attention pages"
+    more = "--gpu-memory-utilization"
+    if cc.num_gpu_blocks_override is not None:
+        room = f"--num-gpu-blocks-override {cc.num_gpu_blocks_override}"
+        more = "--num-gpu-blocks-override"
+    elif config.device_config.device.type == "cuda":
+        room = (f"--gpu-memory-utilization {cc.gpu_memory_utilization} leaves "
+                f"{usable * layout.page_bytes / GiB:.2f} GiB for it")
+    else:
+        room = (f"the CPU KV cache space is {cc.cpu_kv_cache_space_bytes / GiB:.2f} GiB; on a "
+                "GPU, --gpu-memory-utilization sets it")
+    quant = ("; --quantization fp8 or bitsandbytes stores the weights in 8 or 4 bits and "
+             "leaves the rest to the KV cache"
+             if mc.quantization is None and cc.num_gpu_blocks_override is None else "")
+    if fit >= 2 * layout.block_size:
+        fix = (f"The largest max_model_len that fits is {fit}: pass --max-model-len {fit} (or "
+               f"less), or raise {more}{quant}.")
+    else:
+        fix = (f"Not even a {2 * layout.block_size}-token sequence fits: raise {more}, lower "
+               f"--max-model-len or --limit-mm-per-prompt{quant}.")
+    raise ValueError(
+        f"max_model_len {mc.max_model_len} does not fit in the KV cache: one full-length "
+        f"sequence needs {need} pages of {layout.block_size} tokens ({images} included), the "
+        f"cache has room for {usable} ({room}; --kv-cache-dtype stays auto: the cache is in "
+        f"the model dtype). {fix}")

@@ -1,0 +1,220 @@
+"""The model's whole context: start-up with no flags, TTFT of long prompts and decode at long
+context against their floors (11B Instruct shape, dummy bf16 weights, one H200).
+
+The engine is built as ``vllm serve demo/mllama-11b --load-format dummy`` builds it, with no
+other flag (chunked prefill, the 512-token budget, max_model_len 131072), and its start-up
+split (load, vision graphs, profile, decode graphs, warm-up) is recorded. Then, one request at
+a time, greedy:
+
+- TTFT of a prompt of N tokens (8k, 32k, 64k, 128k; text, and with one 4-tile image first),
+  the median of ``--iters`` after a warm-up one, against its floor: 2 x the text decoder's
+  linear parameters x N at cuBLAS's measured bf16 rate, plus causal self-attention over N
+  at SDPA's measured rate, plus (image case) the vision tower's 2 x parameters x tokens at the
+  same GEMM rate. Limit: 1.3 x the floor.
+- decode ms/step at bs=1 with N tokens of context (8k, 32k, 128k) against the measured
+  short-context step plus the request's KV bytes at the measured read bandwidth. Limit: 1.2x.
+
+    python -m benchmarks.engine long-context --out /tmp/long_context.json
+    python -m benchmarks.engine long-context --smoke --out /tmp/lc.json   # tiny model, CPU
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from benchmarks.common import EngineView, make_prompt, prefill_times_ms, sync
+from vllm import LLM, SamplingParams
+
+TTFT_LIMIT = 1.3
+DECODE_LIMIT = 1.2
+
+
+def _timed_ms(fn, iters: int) -> float:
+    """Median wall ms of ``iters`` calls after one warm-up call, synchronized."""
+    fn()
+    sync()
+    times = []
+    for _ in range(iters):
+        t0 = time.perf_counter()
+        fn()
+        sync()
+        times.append((time.perf_counter() - t0) * 1e3)
+    return sorted(times)[len(times) // 2]
+
+
+def gemm_flops_per_s(device: torch.device, dtype: torch.dtype, n: int) -> float:
+    """cuBLAS's (torch.matmul's) rate on an n x n x n product in ``dtype``."""
+    a = torch.randn(n, n, device=device, dtype=dtype)
+    b = torch.randn(n, n, device=device, dtype=dtype)
+    ms = _timed_ms(lambda: a @ b, 5)
+    return 2 * n**3 / (ms * 1e-3)
+
+
+def sdpa_causal_ms(
+    tokens: int, heads: int, kv_heads: int, head_dim: int, device: torch.device, dtype: torch.dtype
+) -> float:
+    """One layer's causal self-attention over ``tokens`` (SDPA, grouped keys expanded)."""
+    q = torch.randn(1, heads, tokens, head_dim, device=device, dtype=dtype)
+    k = torch.randn(1, kv_heads, tokens, head_dim, device=device, dtype=dtype)
+    v = torch.randn_like(k)
+    rep = heads // kv_heads
+    k, v = k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1)
+    return _timed_ms(lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True), 3)
+
+
+def read_gb_s(device: torch.device, gib: float) -> float:
+    """Read bandwidth: bytes of a float32 sum / its median time."""
+    x = torch.randn(int(gib * (1 << 28)), device=device)
+    ms = _timed_ms(lambda: x.sum(), 10)
+    return x.nbytes / (ms * 1e-3) / 1e9
+
+
+def linear_params(module: torch.nn.Module) -> int:
+    """Weights of the matrix products a token goes through (2-D parameters, embeddings out)."""
+    return sum(p.numel() for n, p in module.named_parameters() if p.dim() == 2 and "embed" not in n)
+
+
+def ttft_floor_ms(
+    model, spec, tokens: int, vision_tokens: int, gemm_rate: float, attention_ms: float
+) -> float:
+    text = model.language_model.model
+    gemm = 2 * linear_params(text) * tokens
+    if vision_tokens:
+        gemm += 2 * linear_params(model.vision_model) * vision_tokens
+    self_layers = spec.text.num_hidden_layers - len(spec.text.cross_attention_layers)
+    return gemm / gemm_rate * 1e3 + self_layers * attention_ms
+
+
+def decode_ms_per_step(llm: LLM, n_tokens: int, steps: int) -> float:
+    """Median ms per step of one request's decode with ``n_tokens`` of prompt (the steps after
+    its first token, i.e. once its prefill is done)."""
+    engine, view = llm.llm_engine, EngineView(llm)
+    processed = view.process(make_prompt(llm, False, n_tokens, 7))
+    view.add_processed(
+        f"decode-{n_tokens}-{time.perf_counter_ns()}",
+        processed,
+        SamplingParams(temperature=0, max_tokens=steps + 2, ignore_eos=True),
+    )
+    started = False
+    while not started and engine.has_unfinished_requests():
+        started = any(o.outputs[0].token_ids for o in engine.step())
+    times = []
+    while engine.has_unfinished_requests():
+        sync()
+        t0 = time.perf_counter()
+        engine.step()
+        sync()
+        times.append((time.perf_counter() - t0) * 1e3)
+    times = times[1:-1] or times  # the first may still overlap the prefill, the last drains
+    return sorted(times)[len(times) // 2]
+
+
+def no_flag_llm(model: str, smoke: bool) -> LLM:
+    """The engine `vllm serve MODEL --load-format dummy` builds: EngineArgs' serving defaults
+    (chunked prefill, the 512-token budget, the model's whole context). The smoke run caps
+    the context and the batch for the CPU."""
+    kwargs = dict(max_model_len=4096, max_num_seqs=8, max_num_batched_tokens=64) if smoke else {}
+    return LLM(model=model, load_format="dummy", enable_chunked_prefill=True, **kwargs)
+
+
+def main(argv: list[str] | None = None, prog: str | None = None) -> None:
+    ap = argparse.ArgumentParser(prog=prog, description=__doc__.splitlines()[0])
+    ap.add_argument("--iters", type=int, default=3)
+    ap.add_argument("--decode-steps", type=int, default=32)
+    ap.add_argument("--out", default=None, help="write the results as JSON here")
+    ap.add_argument("--smoke", action="store_true", help="tiny model on CPU, short contexts")
+    args = ap.parse_args(argv)
+    if args.smoke:
+        model, ttft_lens, decode_lens, iters, steps = "demo/mllama-tiny", (256, 512), (256,), 1, 4
+        short = 32
+    else:
+        model, ttft_lens, decode_lens = (
+            "demo/mllama-11b",
+            (8192, 32768, 65536, 131072),
+            (8192, 32768, 131072),
+        )
+        iters, steps, short = args.iters, args.decode_steps, 128
+    llm = no_flag_llm(model, args.smoke)
+    engine, view = llm.llm_engine, EngineView(llm)
+    cfg = engine.config
+    spec, device, dtype = cfg.model_config.spec, engine.runner.device, cfg.model_config.dtype
+    startup = engine.startup_times
+    out: dict = {
+        "model": model,
+        "max_model_len": cfg.model_config.max_model_len,
+        "max_num_batched_tokens": cfg.scheduler_config.max_num_batched_tokens,
+        "startup_s": {**startup.parts(), "total": startup.total},
+    }
+    print(startup.describe())
+
+    t = spec.text
+    gemm_rate = gemm_flops_per_s(device, dtype, 1024 if args.smoke else 8192)
+    out["gemm_tflops"] = gemm_rate / 1e12
+    vision_tokens = 4 * spec.vision.tokens_per_tile
+    rows = []
+    for n in ttft_lens:
+        n = min(n, cfg.model_config.max_model_len - 8)
+        attn = sdpa_causal_ms(
+            n, t.num_attention_heads, t.num_key_value_heads, t.head_dim, device, dtype
+        )
+        for image in (False, True):
+            processed = view.process(make_prompt(llm, image, n, n))
+            ms = prefill_times_ms(llm, processed, iters, "ttft")
+            ttft = sorted(ms[1:])[len(ms[1:]) // 2]
+            floor = ttft_floor_ms(
+                view.model, spec, n, vision_tokens if image else 0, gemm_rate, attn
+            )
+            rows.append(
+                {
+                    "tokens": n,
+                    "image": image,
+                    "ttft_ms": ttft,
+                    "floor_ms": floor,
+                    "ratio": ttft / floor,
+                    "ok": ttft <= TTFT_LIMIT * floor,
+                }
+            )
+            print(
+                f"TTFT {n:>7} tokens{' + 4-tile image' if image else ''}: {ttft:9.1f} ms, "
+                f"floor {floor:9.1f} ms, {ttft / floor:.2f}x (limit {TTFT_LIMIT}x)"
+            )
+    out["ttft"] = rows
+
+    bandwidth = read_gb_s(device, 0.25 if args.smoke else 4.0)
+    out["read_gb_s"] = bandwidth
+    decode_ms_per_step(llm, short, steps)  # first uses of the decode path
+    base = decode_ms_per_step(llm, short, steps)
+    out["decode_short_ms"] = base
+    drows = []
+    for n in decode_lens:
+        n = min(n, cfg.model_config.max_model_len - steps - 4)
+        ms = decode_ms_per_step(llm, n, steps)
+        kv = view.layout.pages_for_tokens(n) * view.layout.page_bytes
+        floor = base + kv / (bandwidth * 1e9) * 1e3
+        drows.append(
+            {
+                "context": n,
+                "ms_per_step": ms,
+                "floor_ms": floor,
+                "ratio": ms / floor,
+                "ok": ms <= DECODE_LIMIT * floor,
+            }
+        )
+        print(
+            f"decode bs=1 at {n:>7} tokens: {ms:7.2f} ms/step, floor {floor:7.2f} ms "
+            f"({base:.2f} + {kv / 2**30:.2f} GiB of KV at {bandwidth:.0f} GB/s), "
+            f"{ms / floor:.2f}x (limit {DECODE_LIMIT}x)"
+        )
+    out["decode"] = drows
+    if args.out:
+        Path(args.out).write_text(json.dumps(out, indent=2))
+
+
+if __name__ == "__main__":
+    main()
