@@ -100,6 +100,8 @@ class SchedulerConfig:
     one image's tiles); 0 encodes images whole inside the prefill step.
     ``max_num_encoder_tiles``: tiles of the images whose vision tokens a step's prefill
     carries. ``scheduling_policy``: ``fcfs`` or ``priority`` (lower first, then arrival).
+    ``enable_prefix_caching``: full self pages are kept under keys of their tokens and images
+    and shared by later prompts that start the same way (``core/prefix_cache.py``).
     """
 
     max_num_seqs: int = 256
@@ -109,6 +111,7 @@ class SchedulerConfig:
     enable_chunked_prefill: bool = False
     encoder_layers_per_step: int = 0
     scheduling_policy: str = "fcfs"
+    enable_prefix_caching: bool = False
 
 
 @dataclass(frozen=True)

@@ -7,7 +7,8 @@ import random
 import pytest
 import torch
 
-from vllm.core.block_manager import NULL_PAGE, BlockManager, NoFreePages, PagePool
+from vllm.core.block_manager import NULL_PAGE, BlockManager, NoFreePages
+from vllm.core.prefix_cache import CachingPagePool
 from vllm.core.sequence import Request, Sequence
 from vllm.multimodal.processing import ImageInputs, ProcessedInputs
 from vllm.sampling_params import SamplingParams
@@ -30,7 +31,7 @@ def _request(rid: str, prompt_len: int, enc_tiles: int = 0, n: int = 1) -> Reque
 
 
 def test_pool_basics() -> None:
-    pool = PagePool(5)
+    pool = CachingPagePool(5, 16)
     assert pool.num_free == 4 and pool.usage() == 0.0
     pages = pool.allocate(3)
     assert NULL_PAGE not in pages and len(set(pages)) == 3
@@ -45,7 +46,7 @@ def test_pool_basics() -> None:
 
 
 def test_integrity_catches_double_ownership_and_double_free() -> None:
-    pool = PagePool(4)
+    pool = CachingPagePool(4, 16)
     (p,) = pool.allocate(1)
     with pytest.raises(AssertionError):
         pool.check_integrity([[p], [p]])

@@ -103,13 +103,28 @@ class CrossAttention(_PagedAttentionBase):
         assert backend is not None, "attention back-end not bound"
         q, k, v = self._views(q, k, v)
         if isinstance(md, PrefillMetadata):
-            assert k is not None and v is not None, "prefill cross-attention needs vision K/V"
             if self.kv_cache is not None and md.cross_cache_src is not None:
+                assert k is not None and v is not None
                 src = md.cross_cache_src
                 backend.write_kv(k[src], v[src], self.kv_cache[0], self.kv_cache[1],
                                  md.cross_slot_mapping)
+            if md.cross_cache_read is not None:
+                k, v = self._with_cached(k, v, md.cross_cache_read)
+            assert k is not None and v is not None, "prefill cross-attention needs vision K/V"
             out = backend.prefill_cross(q, k, v, md, self.scale)
         else:
             assert self.kv_cache is not None, "decode needs a cross KV cache"
             out = backend.decode_cross(q, self.kv_cache[0], self.kv_cache[1], md, self.scale)
         return out.reshape(-1, self.num_heads * self.head_dim)
+
+    def _with_cached(self, k: torch.Tensor | None, v: torch.Tensor | None,
+                     slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The step's fresh vision K/V followed by the cached rows at ``slots``."""
+        assert self.kv_cache is not None, "reading cached cross K/V needs the cache"
+        key_cache, value_cache = self.kv_cache  # [num_pages, Hkv, page_size, D]
+        page_size = key_cache.shape[2]
+        pages, offsets = slots // page_size, slots % page_size
+        kc, vc = key_cache[pages, :, offsets], value_cache[pages, :, offsets]  # [N, Hkv, D]
+        if k is None or v is None:
+            return kc, vc
+        return torch.cat([k, kc.to(k.dtype)]), torch.cat([v, vc.to(v.dtype)])

@@ -81,6 +81,8 @@ class PrefillMetadata:
     cross_range_runs: list[tuple[int, int, int, int]] | None = None  # host (q0, q1, kv0, kv1)
     cross_cache_src: torch.Tensor | None = None  # [num_cached] int64 rows of the packed tokens
     cross_slot_mapping: torch.Tensor | None = None  # [num_cached] int64 cross-cache slots
+    # Cross-cache slots whose K/V (cached cross groups) follow the step's fresh vision K/V.
+    cross_cache_read: torch.Tensor | None = None  # [num_read] int64
     # Prefill chunks: per sequence, the tokens before this step's (their K/V in its pages),
     # and for those with any, the pages holding positions 0..context+seq_len ([n] int64).
     context_lens: list[int] | None = None

@@ -117,15 +117,19 @@ class PrefillTracker:
         p.encoder_layers_left = max(p.encoder_layers_left - layers, 0)
         return p
 
-    def admit(self, request: Request, seqs: list[Sequence]) -> PrefillProgress:
-        """The request got its pages: each of ``seqs`` is prefilling from token 0."""
+    def admit(
+        self, request: Request, seqs: list[Sequence], starts: dict[int, int] | None = None
+    ) -> PrefillProgress:
+        """The request got its pages: each of ``seqs`` is prefilling from token 0, or from
+        ``starts[seq_id]`` (its tokens taken from the prefix cache)."""
         p = self._progress.get(request.request_id)
         if p is None:
             p = PrefillProgress(request, PrefillPhase.CHUNKED)
             self._progress[request.request_id] = p
         assert p.encoded, "admitted before its images were encoded"
         p.phase = PrefillPhase.CHUNKED
-        p.computed = {s.seq_id: 0 for s in seqs}
+        starts = starts or {}
+        p.computed = {s.seq_id: starts.get(s.seq_id, 0) for s in seqs}
         return p
 
     def chunk(self, seq: Sequence, end: int) -> tuple[PrefillProgress, int, bool]:

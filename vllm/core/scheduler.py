@@ -20,7 +20,9 @@ behind it wait at most ``MAX_SKIPPED_STEPS + 1`` steps), and one short of pages 
 running requests to finish (each does within ``max_model_len`` steps), so no request starves.
 Requests whose images are being encoded are not skipped: they progress every step.
 
-Pages are allocated for a whole prompt when it is admitted (decode pages one at a time). When
+Pages are allocated for a whole prompt when it is admitted (decode pages one at a time);
+with prefix caching its first pages may be cached ones, and its prefill starts after them
+(they are to it what earlier chunks are to a chunked prompt). When
 a decode lacks pages the request last in order is preempted: its pages are freed, its prefill
 record dropped (``PrefillTracker.reset``), it keeps its tokens and images and is recomputed
 later. Nothing is lost at any point of a chunked or batched prefill.
@@ -224,11 +226,16 @@ class Scheduler:
         if not req.has_images or self.config.encoder_layers_per_step == 0:
             return False
         p = self.tracker.get(req)
-        return p is None or not p.encoded
+        if p is None:  # a cached cross group may make its vision unnecessary
+            return not self.bm.skips_vision(req, req.unfinished_seqs())
+        return not p.encoded
 
     def _chunk_tiles(self, req: Request, start: int, end: int, carried: set[str]) -> int:
-        """Vision tiles a chunk adds to the step (its request's images, once per step)."""
+        """Vision tiles a chunk adds to the step (its request's images, once per step; none
+        when its prefill reads a cached cross group instead)."""
         if req.request_id in carried or not req.inputs.sees_images(start, end):
+            return 0
+        if req.cross_cached:
             return 0
         return req.inputs.num_images * self.tiles_per_image
 
@@ -239,9 +246,12 @@ class Scheduler:
         seq = req.unfinished_seqs()[0]
         if self._admission_pages(req) > self.bm.pool.num_free:
             return False
-        if not self.config.enable_chunked_prefill and len(seq) > budget:
+        start = self.bm.cached_tokens(seq)
+        if not self.config.enable_chunked_prefill and len(seq) - start > budget:
             return False
-        return self._chunk_tiles(req, 0, min(len(seq), budget), carried) <= tiles
+        if req.has_images and self.bm.skips_vision(req, req.unfinished_seqs()):
+            return True
+        return self._chunk_tiles(req, start, min(len(seq), start + budget), carried) <= tiles
 
     def _chunks(self, req: Request, out: SchedulerOutput, budget: int, tiles: int,
                 carried: set[str]) -> tuple[int, int]:
@@ -276,10 +286,10 @@ class Scheduler:
         self.waiting.remove(req)
         self._skipped.pop(req.request_id, None)
         seqs = req.unfinished_seqs()
-        self.bm.allocate_prefill(req, seqs)
+        starts = self.bm.allocate_prefill(req, seqs)
         for s in seqs:
             s.status = SequenceStatus.RUNNING
-        progress = self.tracker.admit(req, seqs)
+        progress = self.tracker.admit(req, seqs, starts)
         if not req.forked and req.params.n > 1:
             parent = seqs[0]
             children = []
@@ -322,6 +332,8 @@ class Scheduler:
             if p is not None and p.encoded:
                 continue
             if p is None:
+                if self.bm.skips_vision(req, req.unfinished_seqs()):
+                    continue  # its prefill reads a cached cross group
                 if ahead >= MAX_ENCODED_AHEAD:
                     continue  # those already under way go on (a later one may be first now)
                 ahead += 1
@@ -340,10 +352,10 @@ class Scheduler:
     def _preempt(self, request: Request) -> None:
         self.running.remove(request)
         self.tracker.reset(request)
-        for s in request.unfinished_seqs():
-            self.bm.free_seq(s)
+        seqs = request.unfinished_seqs()
+        self.bm.free_request(request, seqs)  # its cached pages are found again on resume
+        for s in seqs:
             s.status = SequenceStatus.WAITING
-        self.bm.free_cross(request)
         request.num_preemptions += 1
         self.num_preemptions += 1
         self._enqueue(request)
@@ -372,17 +384,25 @@ class Scheduler:
             return None
         self.tracker.reset(req)
         self._skipped.pop(request_id, None)
+        self.bm.free_request(req, req.seqs)
         for s in req.seqs:
-            if s.block_table:
-                self.bm.free_seq(s)
             if not s.status.finished:
                 s.status = SequenceStatus.FINISHED_ABORTED
-        self.bm.free_cross(req)
         if req in self.running:
             self.running.remove(req)
         if req in self.waiting:
             self.waiting.remove(req)
         return req
+
+    def cache_written(self, written: list[tuple[Sequence, int]],
+                      cross: list[tuple[Request, list[int]]] = ()) -> None:
+        """A step's results were collected: each (sequence, tokens with K/V written) may
+        complete pages for the prefix cache, and each (request, cross table) wrote its
+        cross group."""
+        for seq, n in written:
+            self.bm.cache_written(seq, n)
+        for req, pages in cross:
+            self.bm.cache_cross(req, pages)
 
     def check_integrity(self) -> None:
         self.bm.check_integrity(self.requests.values())

@@ -56,6 +56,10 @@ class Sequence:
     # a constraint: created at its first sample, kept in step with its output tokens (kept
     # over preemption; rebuilt from the tokens if it ever saw more than the sequence has).
     grammar: Any = None
+    # Prefix caching: the keys of its full pages (a ``prefix_keys.PageKeyChain``, kept over
+    # preemption) and how many of its first pages are cached or were offered to the cache.
+    page_keys: Any = None
+    num_cached_pages: int = 0
 
     @property
     def prompt_len(self) -> int:
@@ -86,6 +90,10 @@ class Request:
     seqs: list[Sequence] = field(default_factory=list)
     cross_block_table: list[int] = field(default_factory=list)
     cross_written: bool = False
+    # Prefix caching: the key of its cross group, and whether its cross pages came written
+    # from the cache (its prefill then reads their K/V and runs no vision).
+    cross_key: bytes | None = None
+    cross_cached: bool = False
     forked: bool = False  # siblings created (n > 1 after the first prefill)
     prompt_logprobs: list[dict[int, Any] | None] | None = None
     first_scheduled_time: float | None = None

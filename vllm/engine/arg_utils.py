@@ -108,13 +108,13 @@ class EngineArgs:
     kv_cache_dtype: str = "auto"
     disable_log_stats: bool = False
     async_scheduling: bool = True
+    enable_prefix_caching: bool | None = None  # None: off (the default here)
     # Structured output: the grammar library, and compact JSON by default.
     guided_decoding_backend: str = "xgrammar"
     guided_decoding_disable_any_whitespace: bool = False
     # Accepted for compatibility; they do not change anything here.
     swap_space: float = 4
     max_seq_len_to_capture: int = 8192
-    enable_prefix_caching: bool | None = None
     tokenizer_mode: str = "auto"
 
     @classmethod
@@ -157,9 +157,6 @@ class EngineArgs:
                 f"kv_cache_dtype={self.kv_cache_dtype!r} is not supported: the KV cache (self "
                 "and cross attention) is kept in the model dtype; supported: 'auto'. FP8 "
                 "weights (--quantization fp8, or an FP8 checkpoint) work with it.")
-        if self.enable_prefix_caching:
-            logger.warning("Prefix caching is not supported for this encoder-decoder model; "
-                           "ignoring enable_prefix_caching.")
         cache_gb = self.mm_processor_cache_gb
         if isinstance(cache_gb, bool) or not isinstance(cache_gb, (int, float)) \
                 or not 0 <= cache_gb < float("inf"):
@@ -335,7 +332,8 @@ class EngineArgs:
         return SchedulerConfig(max_num_seqs=max_num_seqs, max_num_batched_tokens=batched,
                                max_model_len=max_model_len, max_num_encoder_tiles=tiles,
                                enable_chunked_prefill=chunked, encoder_layers_per_step=layers,
-                               scheduling_policy=self.scheduling_policy)
+                               scheduling_policy=self.scheduling_policy,
+                               enable_prefix_caching=bool(self.enable_prefix_caching))
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

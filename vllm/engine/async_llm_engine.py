@@ -256,6 +256,8 @@ class AsyncLLMEngine:
             "num_waiting": len(sched.waiting),
             "kv_cache_usage": self.engine.kv_cache_usage(),
             "num_preemptions": sched.num_preemptions,
+            "prefix_cache_queries": self.engine.block_manager.pool.prefix_cache_queries,
+            "prefix_cache_hits": self.engine.block_manager.pool.prefix_cache_hits,
             "graph_replays": dict(runner.stats.graph_replays),
             "eager_decode_steps": runner.stats.eager_decode_steps,
             "images_encoded_ahead": runner.stats.images_encoded_ahead,
@@ -272,7 +274,7 @@ class AsyncLLMEngine:
         return {
             "block_size": cc.block_size,
             "cache_dtype": cc.kv_cache_dtype,
-            "enable_prefix_caching": False,
+            "enable_prefix_caching": self.engine.config.scheduler_config.enable_prefix_caching,
             "gpu_memory_utilization": cc.gpu_memory_utilization,
             "num_gpu_blocks": pool.num_allocatable,
             "num_gpu_blocks_override": cc.num_gpu_blocks_override,

@@ -291,7 +291,8 @@ _FLAG_SPECS: dict[str, dict[str, Any]] = {
     },
     "enable_prefix_caching": {
         "action": argparse.BooleanOptionalAction,
-        "help": "Accepted; prefix caching is off for this model.",
+        "help": "Reuse the KV pages of earlier prompts that start with the same tokens and "
+        "images (off by default; the cache_salt request field keeps tenants apart).",
     },
     "guided_decoding_backend": {
         "help": "Library that compiles structured-output constraints (JSON schemas, regexes, "

@@ -79,7 +79,9 @@ class LLMEngine:
             processor_kwargs=mc.mm_processor_kwargs,
             image_cache_bytes=int(mc.mm_processor_cache_gb * (1 << 30)))
         lo = self.runner.layout
-        self.block_manager = BlockManager(num_pages, lo.block_size, lo.cross_block_size)
+        self.block_manager = BlockManager(
+            num_pages, lo.block_size, lo.cross_block_size,
+            enable_prefix_caching=config.scheduler_config.enable_prefix_caching)
         vision = mc.spec.vision
         self.scheduler = Scheduler(config.scheduler_config, self.block_manager,
                                    vision.max_num_tiles,
@@ -221,12 +223,21 @@ class LLMEngine:
         if self._pending is not None and not self.scheduler.has_unfinished():
             self._collect(self._take_pending())  # only aborted sequences were in flight
 
+    def reset_prefix_cache(self) -> bool:
+        """Forgets every cached page and cross group: nothing is matched again until
+        written again (pages in use stay with their owners)."""
+        self.block_manager.pool.reset()
+        return True
+
     def reset_counters(self) -> None:
         """Zeroes the step counters (graph replays, host time, ...), the preemption count and
         the request and step statistics behind /metrics."""
         self.runner.stats = RunnerStats()
         self.stats.reset()
         self.scheduler.num_preemptions = 0
+        pool = self.block_manager.pool
+        pool.prefix_cache_queries = pool.prefix_cache_hits = 0
+        pool.cross_cache_queries = pool.cross_cache_hits = 0
         self._tokens_since_log = [0, 0]
         self._host_at_log = (0.0, 0)
         self._last_log = time.monotonic()
@@ -353,6 +364,7 @@ class LLMEngine:
 
     def _collect(self, handle: StepHandle) -> list[RequestOutput]:
         result = self.runner.collect(handle)
+        self.scheduler.cache_written(result.written, result.written_cross)
         return self.output_processor.process(result, self.scheduler, self.runner)
 
     def _release_preempted(self, out: SchedulerOutput) -> None:

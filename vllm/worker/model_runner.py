@@ -19,7 +19,7 @@ import torch
 from vllm.attention.metadata import DecodeMetadata
 from vllm.config import VllmConfig
 from vllm.core.scheduler_output import EncoderWork, PrefillChunk, SchedulerOutput
-from vllm.core.sequence import Sequence
+from vllm.core.sequence import Request, Sequence
 from vllm.forward_context import set_forward_context
 from vllm.logger import init_logger
 from vllm.model_executor.layers.linear import Linear
@@ -112,6 +112,7 @@ class ModelRunner:
             fused=fused,
         )
         self.stats = RunnerStats()
+        self.prefix_caching = sc.enable_prefix_caching  # report what each step writes
         self.results = ResultCopier(self.device, sc.max_num_seqs)
         self.grammar_rows = GrammarRows(sc.max_num_seqs, self.vocab_size, self.device)
         # The last decode batch's sequences and sampling inputs, while they cannot change
@@ -198,6 +199,7 @@ class ModelRunner:
         prefill_sampling = self._sampling_rows(samplers) if samplers else None
         parts: list[tuple[SamplerOutput, int]] = []
         prompt_logprobs: dict[str, PromptLogprobsOnDevice] = {}
+        written_cross: list[tuple[Request, list[int]]] = []
         deferred = None
         if decode_sampling is not None:
             decoded = self._decode(out, decode_sampling)
@@ -208,12 +210,18 @@ class ModelRunner:
         for work in out.encoder_work:
             self._advance_encoder(work)
         if out.chunks:
-            sampled = self._prefill(out, prefill_sampling, prompt_logprobs)
+            sampled = self._prefill(out, prefill_sampling, prompt_logprobs, written_cross)
             if sampled is not None:
                 parts.append((sampled, len(samplers)))
         result = StepOutput(
-            seqs=out.sample_seqs, token_ids=[], num_prompt_tokens=out.num_prefill_tokens
+            seqs=out.sample_seqs,
+            token_ids=[],
+            num_prompt_tokens=out.num_prefill_tokens,
         )
+        if self.prefix_caching:
+            result.written = [(s, len(s) + s.inflight) for s in out.decode_seqs]
+            result.written += [(c.seq, c.end) for c in out.chunks]
+            result.written_cross = written_cross
         if deferred is None:
             handle = self.results.start(result, parts, prompt_logprobs)
         else:
@@ -299,11 +307,18 @@ class ModelRunner:
         out: SchedulerOutput,
         sampling: SamplingMetadata | None,
         prompt_logprobs: dict[str, PromptLogprobsOnDevice],
+        written_cross: list[tuple[Request, list[int]]],
     ) -> SamplerOutput | None:
         """The step's prefill chunks in one forward; samples for the chunks that end their
-        sequence's tokens (None if none does)."""
+        sequence's tokens (None if none does). Appends to ``written_cross`` the requests
+        whose cross group it writes (with their cross tables)."""
         lo = self.layout
         items = [self._prefill_item(c) for c in out.chunks]
+        written_cross += [
+            (c.seq.request, list(item.cross_block_table))
+            for c, item in zip(out.chunks, items, strict=True)
+            if item.write_cross
+        ]
         # The encoder first: the GPU runs it while the host builds the text inputs. With
         # vision graphs the pixels go from the (pinned) host tensors into the graph's buffer.
         graphs = self.vision_graphs
@@ -377,10 +392,11 @@ class ModelRunner:
             chunk.seq.block_table,
             req.cross_block_table,
             write_cross,
-            chunk.progress.vision if sees else None,
+            chunk.progress.vision if sees and not req.cross_cached else None,
             start=chunk.start,
             sees_images=sees,
             samples=bool(chunk.samplers),
+            cross_cached=req.cross_cached,
         )
 
     def _prompt_logprobs(

@@ -66,6 +66,9 @@ class PrefillItem:
     start: int = 0
     sees_images: bool | None = None  # None: whether any of its tokens sees an image
     samples: bool = True  # its last token's logits are sampled
+    # Its cross pages hold its last group's K/V already (a cached cross group): its tokens
+    # see only that group, read from the pages; its images are not encoded.
+    cross_cached: bool = False
 
     def __post_init__(self) -> None:
         if self.sees_images is None:
@@ -114,7 +117,7 @@ def _image_owners(items: list[PrefillItem]) -> list[PrefillItem]:
     with images of each ``vision_key`` (siblings share one encoding)."""
     owners: dict[object, PrefillItem] = {}
     for item in items:
-        if item.inputs.images is not None and item.sees_images:
+        if item.inputs.images is not None and item.sees_images and not item.cross_cached:
             owners.setdefault(item.vision_key, item)
     # A sibling's chunk may hold the request's encoding when the owner's does not.
     for item in items:
@@ -195,6 +198,16 @@ def build_prefill_batch(items: list[PrefillItem], block_size: int, cross_block_s
         vision_base[owner.vision_key] = n_vision
         n_vision += owner.inputs.num_vision_tokens
         parts.append((owner.encoded, owner.inputs.num_vision_tokens))
+    # Cached cross groups: their K/V rows follow the step's fresh vision tokens; a reader's
+    # base puts its last group's first row there.
+    cache_read: list[torch.Tensor] = []
+    n_cached = 0
+    for item in items:
+        if item.cross_cached and item.sees_images and item.vision_key not in vision_base:
+            c0, c1 = item.inputs.cached_vision_range
+            vision_base[item.vision_key] = n_vision + n_cached - c0
+            cache_read.append(_slots(item.cross_block_table, c1 - c0, cross_block_size))
+            n_cached += c1 - c0
     seq_lens, enc_lens, context_lens, last_rows = [], [], [], []
     context_pages: list[int | None] = []
     for item in items:
@@ -216,7 +229,7 @@ def build_prefill_batch(items: list[PrefillItem], block_size: int, cross_block_s
         ranges += item_ranges
         enc_len = inp.encoder_seq_len if base is not None else 0
         enc_lens.append(enc_len)
-        if item.write_cross and enc_len > 0:
+        if item.write_cross and enc_len > 0 and not item.cross_cached:
             assert base is not None
             c0, c1 = inp.cached_vision_range
             cross_src.append(torch.arange(base + c0, base + c1))
@@ -233,6 +246,7 @@ def build_prefill_batch(items: list[PrefillItem], block_size: int, cross_block_s
     h_ranges = up.add(torch.tensor(ranges, dtype=torch.int64).view(-1, 2), torch.int32)
     h_src = up.add(torch.cat(cross_src)) if cross_src else None
     h_cslots = up.add(torch.cat(cross_slots)) if cross_slots else None
+    h_read = up.add(torch.cat(cache_read)) if cache_read else None
     h_last = up.add(last_rows)
     h_pages = [up.add(item.block_table[:n]) if n is not None else None
                for item, n in zip(items, context_pages, strict=True)]
@@ -248,6 +262,7 @@ def build_prefill_batch(items: list[PrefillItem], block_size: int, cross_block_s
         cross_range_runs=runs,
         cross_cache_src=dev[h_src] if h_src is not None else None,
         cross_slot_mapping=dev[h_cslots] if h_cslots is not None else None,
+        cross_cache_read=dev[h_read] if h_read is not None else None,
         context_lens=context_lens if any(context_lens) else None,
         context_pages=[dev[h] if h is not None else None for h in h_pages]
         if any(context_lens) else None,
@@ -258,7 +273,11 @@ def build_prefill_batch(items: list[PrefillItem], block_size: int, cross_block_s
         metadata=md,
         logits_indices=dev[h_last],
         vision_parts=parts if any(e is not None for e, _ in parts) else [],
-        vision_rows={key: (b, b + _owner_tokens(items, key)) for key, b in vision_base.items()},
+        vision_rows={
+            key: (b, b + _owner_tokens(items, key))
+            for key, b in vision_base.items()
+            if not any(i.cross_cached for i in items if i.vision_key == key)
+        },
     )
 
 

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from vllm.core.sequence import Sequence
+from vllm.core.sequence import Request, Sequence
 from vllm.model_executor.layers.sampler import SamplerOutput
 
 # Prompt logprobs of one request: [T, 1 + k] values and ids, [T] ranks; rank 0 marks a
@@ -55,6 +55,12 @@ class StepOutput:
     ranks: list[int] | None = None
     prompt_logprobs: dict[str, PromptLogprobs] = field(default_factory=dict)
     num_prompt_tokens: int = 0  # tokens a prefill step computed (for the engine's stats)
+    # (sequence, tokens whose K/V the step leaves written): full pages among them may be
+    # offered to the prefix cache once the step's results are collected (filled only with
+    # prefix caching on).
+    written: list[tuple[Sequence, int]] = field(default_factory=list)
+    # (request, its cross table) for each request whose cross group the step wrote.
+    written_cross: list[tuple[Request, list[int]]] = field(default_factory=list)
 
 
 @dataclass

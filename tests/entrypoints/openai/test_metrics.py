@@ -8,8 +8,17 @@ from typing import Any
 
 import httpx
 import pytest
-from openai_server_utils import MODEL, RunningServer, wait_until_idle
+from openai_server_utils import (
+    MODEL,
+    RunningServer,
+    parse_server_args,
+    start_server,
+    wait_until_idle,
+)
 from prometheus_client.parser import text_string_to_metric_families
+
+from vllm.engine.arg_utils import EngineArgs
+from vllm.engine.async_llm_engine import AsyncLLMEngine
 
 LABEL = {"model_name": MODEL}
 Samples = dict[tuple[str, tuple[tuple[str, str], ...]], float]
@@ -173,3 +182,28 @@ def test_http_request_metrics(server: RunningServer) -> None:
     sizes = "http_response_size_bytes_sum", {"handler": "/v1/completions"}
     assert _http(after, sizes[0], **sizes[1]) > _http(before, sizes[0], **sizes[1])
     assert _http(after, "http_request_duration_highr_seconds_count") >= 4
+
+
+def test_prefix_cache_counters() -> None:
+    """With --enable-prefix-caching: queried and cached prompt tokens, vLLM's names."""
+    args = parse_server_args(["--enable-prefix-caching"])
+    engine = AsyncLLMEngine.from_engine_args(EngineArgs.from_cli_args(args))
+    server = start_server(engine, ["--enable-prefix-caching"])
+    try:
+        prompt = "A prompt that is long enough to fill a few pages of the cache " * 3
+        n = prompt_len(server, prompt)
+        assert n > 2 * 16
+        before = scrape(server)
+        completion(server, False, prompt=prompt, max_tokens=2)
+        middle = scrape(server)
+        completion(server, False, prompt=prompt, max_tokens=2)
+        after = scrape(server)
+        assert delta(before, middle, "vllm:prefix_cache_queries_total") == n
+        assert delta(before, middle, "vllm:prefix_cache_hits_total") == 0
+        assert delta(middle, after, "vllm:prefix_cache_queries_total") == n
+        assert delta(middle, after, "vllm:prefix_cache_hits_total") == (n - 1) // 16 * 16
+        (labels,) = [dict(k[1]) for k in after if k[0] == "vllm:cache_config_info"]
+        assert labels["enable_prefix_caching"] == "True"
+    finally:
+        server.stop()
+        engine.shutdown()

@@ -54,6 +54,16 @@ _ENGINE_COUNTERS = (
         "encoder_steps",
     ),
     (
+        "vllm:prefix_cache_queries",
+        "Prefix-cache queries, in terms of number of queried tokens.",
+        "prefix_cache_queries",
+    ),
+    (
+        "vllm:prefix_cache_hits",
+        "Prefix-cache hits, in terms of number of cached tokens.",
+        "prefix_cache_hits",
+    ),
+    (
         "vllm:prefill_chunks",
         "Prefill chunks that did not end their prompt (chunked prefill).",
         "prefill_chunks",
