@@ -227,18 +227,8 @@ def layer_totals(log: list[dict]) -> list[dict]:
 
 def write_table(log: list[dict], gpu: str) -> str:
     """Merges the sweep's winners into this GPU model's tuned table; returns its path."""
-    path = fp8_gemm.tuned_table_path(gpu)
-    table = json.loads(path.read_text()) if path.is_file() else {"gpu": gpu, "configs": {}}
-    for row in log:
-        if "choice" in row:
-            table["configs"].setdefault(row["table_key"], {})[str(row["m"])] = row["choice"]
-    table["configs"] = {
-        k: dict(sorted(v.items(), key=lambda t: int(t[0])))
-        for k, v in sorted(table["configs"].items())
-    }
-    path.parent.mkdir(exist_ok=True)
-    path.write_text(json.dumps(table, indent=1) + "\n")
-    return str(path)
+    entries = [(r["table_key"], r["m"], r["choice"]) for r in log if "choice" in r]
+    return str(fp8_gemm.TUNED.merge(gpu, entries))
 
 
 def main(argv: list[str] | None = None, prog: str | None = None) -> None:

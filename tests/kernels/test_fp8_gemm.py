@@ -176,8 +176,8 @@ def test_tuned_table_entries(tmp_path, monkeypatch) -> None:
     """A GPU model's tuned table gives a shape's row counts their config (the entry of the
     smallest tuned row count >= m) or the scratch path; other shapes, row counts above the
     table and configs that do not fit K fall back to the defaults."""
-    monkeypatch.setattr(fp8_gemm, "_TUNED_DIR", tmp_path)
-    fp8_gemm._tuned.cache_clear()
+    monkeypatch.setattr(fp8_gemm.TUNED, "folder", tmp_path)
+    fp8_gemm.TUNED.cache_clear()
     key = fp8_gemm.table_key(4096, 4096, False)
     table = {
         "configs": {
@@ -199,7 +199,7 @@ def test_tuned_table_entries(tmp_path, monkeypatch) -> None:
             got = fp8_gemm.decode_config(m, n, k, device_name=gpu)
             assert got == fp8_gemm.default_config(m, n, k)
     finally:
-        fp8_gemm._tuned.cache_clear()
+        fp8_gemm.TUNED.cache_clear()
 
 
 def _kinds(table: list) -> list[str]:

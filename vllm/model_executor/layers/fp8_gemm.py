@@ -27,9 +27,6 @@ the scratch path where it measured faster, ``default_config`` the rest.
 
 from __future__ import annotations
 
-import functools
-import json
-import re
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -41,6 +38,7 @@ import triton.language as tl
 from vllm import envs
 from vllm.model_executor.layers.nf4_gemm import _round_to
 from vllm.model_executor.layers.skinny_gemm import _dot_acc
+from vllm.model_executor.layers.tuned_configs import TunedTables
 
 # Triton reads the flag when kernels are defined, so once at import is enough.
 _INTERPRETED = envs.TRITON_INTERPRET
@@ -247,24 +245,8 @@ def default_config(m: int, n: int, k: int) -> Fp8Config:
     return Fp8Config(block_m, block_n, _block_k(k, 128 if m > 32 else 256))
 
 
-_TUNED_DIR = Path(__file__).with_name("fp8_configs")
-
-
-def tuned_table_path(device_name: str) -> Path:
-    """Where the tuned configs of a GPU model live (``benchmarks.kernels fp8 --table``)."""
-    return _TUNED_DIR / (re.sub(r"[^A-Za-z0-9]+", "_", device_name).strip("_") + ".json")
-
-
-@functools.cache
-def _tuned(device_name: str) -> dict[str, dict[int, Fp8Config | None]]:
-    path = tuned_table_path(device_name)
-    if not path.is_file():
-        return {}
-    raw = json.loads(path.read_text())
-    return {
-        key: {int(m): None if cfg == "scratch" else Fp8Config(**cfg) for m, cfg in rows.items()}
-        for key, rows in raw["configs"].items()
-    }
+TUNED = TunedTables(Path(__file__).with_name("fp8_configs"), Fp8Config)
+tuned_table_path = TUNED.path  # a GPU model's table (``benchmarks.kernels fp8 --table``)
 
 
 def table_key(n: int, k: int, silu: bool) -> str:
@@ -277,12 +259,9 @@ def decode_config(
     """What ``m`` rows run: the GEMM with this config, or None for the scratch path. The
     tuned table's entry for this GPU and shape (that of the smallest tuned row count >= m)
     where there is one, else ``default_config``."""
-    rows = _tuned(device_name).get(table_key(n, k, silu)) if device_name else None
-    tuned = sorted(r for r in rows or () if r >= m)
-    if tuned:
-        cfg = rows[tuned[0]]  # type: ignore[index]
-        if cfg is None or cfg.fits(k):
-            return cfg
+    found, cfg = TUNED.lookup(device_name, table_key(n, k, silu), m)
+    if found and (cfg is None or cfg.fits(k)):
+        return cfg
     return default_config(m, n, k)
 
 

@@ -28,9 +28,6 @@ on it); the decode GEMM is chosen per row bucket at load (``quantization/bitsand
 
 from __future__ import annotations
 
-import functools
-import json
-import re
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -40,6 +37,7 @@ import triton
 import triton.language as tl
 
 from vllm import envs
+from vllm.model_executor.layers.tuned_configs import TunedTables
 
 # Triton reads the flag when kernels are defined, so once at import is enough.
 _INTERPRETED = envs.TRITON_INTERPRET
@@ -340,24 +338,8 @@ def heuristic_config(m: int, n: int, k: int, blocksize: int = 64) -> Nf4Config |
     return Nf4Config(block_m, block_n, per_iter, split)
 
 
-_TUNED_DIR = Path(__file__).with_name("nf4_configs")
-
-
-def tuned_table_path(device_name: str) -> Path:
-    """Where the tuned configs of a GPU model live (``benchmarks.kernels nf4 --table``)."""
-    return _TUNED_DIR / (re.sub(r"[^A-Za-z0-9]+", "_", device_name).strip("_") + ".json")
-
-
-@functools.cache
-def _tuned(device_name: str) -> dict[str, dict[int, Nf4Config | None]]:
-    path = tuned_table_path(device_name)
-    if not path.is_file():
-        return {}
-    raw = json.loads(path.read_text())
-    return {
-        key: {int(m): None if cfg == "scratch" else Nf4Config(**cfg) for m, cfg in rows.items()}
-        for key, rows in raw["configs"].items()
-    }
+TUNED = TunedTables(Path(__file__).with_name("nf4_configs"), Nf4Config)
+tuned_table_path = TUNED.path  # a GPU model's table (``benchmarks.kernels nf4 --table``)
 
 
 def table_key(n: int, k: int, blocksize: int, silu: bool) -> str:
@@ -370,12 +352,9 @@ def decode_config(
     """What ``m`` rows run: the GEMM with this config, or None for the scratch path. The
     tuned table's entry for this GPU and shape (that of the smallest tuned row count >= m)
     where there is one, else ``heuristic_config``."""
-    rows = _tuned(device_name).get(table_key(n, k, blocksize, silu)) if device_name else None
-    tuned = sorted(r for r in rows or () if r >= m)
-    if tuned:
-        cfg = rows[tuned[0]]  # type: ignore[index]
-        if cfg is None or (cfg.fits(k, blocksize) and cfg.block_m <= MAX_ROWS):
-            return cfg
+    found, cfg = TUNED.lookup(device_name, table_key(n, k, blocksize, silu), m)
+    if found and (cfg is None or (cfg.fits(k, blocksize) and cfg.block_m <= MAX_ROWS)):
+        return cfg
     return heuristic_config(m, n, k, blocksize)
 
 
