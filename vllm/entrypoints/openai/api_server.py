@@ -271,7 +271,8 @@ def _note_sigterm(signum: int, frame: Any) -> None:
 def create_server_socket(host: str | None, port: int) -> socket.socket:
     """Binds the listening address now, before the engine loads, so a busy port fails fast."""
     family = socket.AF_INET6 if host and ":" in host else socket.AF_INET
-    sock = socket.socket(family, socket.SOCK_STREAM)
+    # IPPROTO_TCP, not the default 0: asyncio then also sets TCP_NODELAY on each connection.
+    sock = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     try:
         sock.bind((host or "0.0.0.0", port))
