@@ -13,7 +13,7 @@
 # JSON and /metrics, the sweep's JSON + PNG, and serving_summary.{json,md} (the table).
 # Usage (repository root, offline GPU machine): bash tools/gpu_serving.sh [extra server args...]
 # Env: ONLY (space-separated variant names to run: prefill_first chunked budget256 budget1024
-# budget2048), SWEEP_RATES ("1 2 4 8 16 inf"), SWEEP_PROMPTS (48), TRACE=1 (servers under
+# budget2048; "none" for none of them), VARIANTS (below), SWEEP_RATES ("1 2 4 8 16 inf"), SWEEP_PROMPTS (48), TRACE=1 (servers under
 # `python -m benchmarks.profiling serve`, a step trace per server), MODEL (demo/mllama-11b) and
 # NUM_PROMPTS (96; workload 2 takes 2/3 of it) for a dry run on a small model.
 set -uo pipefail
@@ -24,67 +24,22 @@ N1=${NUM_PROMPTS:-96}
 N2=$(( N1 * 2 / 3 ))
 ONLY=${ONLY:-prefill_first chunked budget256 budget1024 budget2048}
 SWEEP_RATES=${SWEEP_RATES:-1 2 4 8 16 inf}
-SRV=
+LEN="--max-model-len 16896"
 W1=(--num-prompts "$N1" --max-concurrency 32 --input-len 200 --random-range-ratio 0.5
     --output-len 64 --image-ratio 0.5 --image-size 1120)
 # ~1.3 tokens a word: 6,900 words +-77% is about 2k-16k tokens.
 W2=(--num-prompts "$N2" --max-concurrency 16 --input-len 6900 --random-range-ratio 0.77
     --output-len 128 --image-ratio 0.5 --image-size 1120)
-COMMON=(--percentile-metrics ttft,tpot,itl,e2el --metric-percentiles 50,90,99 --disable-tqdm
-        --save-detailed)
-
-start_server() {  # start_server TAG [server args...]
-  local tag=$1; shift
-  local server=(-m vllm.entrypoints.cli.main)
-  if [ "${TRACE:-0}" = 1 ]; then
-    export STEP_TRACE="$OUT/$tag.trace.json"
-    server=(-m benchmarks.profiling)
-  fi
-  python3 "${server[@]}" serve "$MODEL" --load-format dummy --dtype bfloat16 \
-    --max-model-len 16896 --max-num-seqs 64 --port "$PORT" "$@" >"$OUT/$tag.server.log" 2>&1 &
-  SRV=$!
-  python3 - "$PORT" <<'PY' || { tail -30 "$OUT/$tag.server.log"; stop_server; return 1; }
-import sys, time, httpx
-url = f"http://127.0.0.1:{sys.argv[1]}/health"
-for _ in range(1200):
-    try:
-        if httpx.get(url, timeout=2).status_code == 200:
-            sys.exit(0)
-    except httpx.HTTPError:
-        pass
-    time.sleep(0.5)
-sys.exit(1)
-PY
-  grep -m1 "Engine ready" "$OUT/$tag.server.log"
-}
-
-stop_server() {
-  [ -n "$SRV" ] && kill -TERM "$SRV" 2>/dev/null && wait "$SRV"
-  SRV=
-}
-trap stop_server EXIT  # never leave a server behind
-
-metrics() {  # metrics FILE: the server's /metrics now
-  python3 -c "import httpx,sys; print(httpx.get(f'http://127.0.0.1:{sys.argv[1]}/metrics').text)" \
-    "$PORT" >"$1"
-}
-
-bench() {  # bench TAG [benchmark args...]
-  local tag=$1; shift
-  metrics "$OUT/$tag.metrics.before.txt"
-  python3 benchmarks/benchmark_serving.py --port "$PORT" "${COMMON[@]}" "$@" --save-result \
-    --result-dir "$OUT" --result-filename "$tag.json" 2>&1 | grep -E "throughput|TTFT|ITL|Wrote"
-  metrics "$OUT/$tag.metrics.txt"
-}
+source tools/serving_lib.sh
 
 wanted() { [[ " $ONLY " == *" $1 "* ]]; }
 t0=$SECONDS
-if wanted prefill_first && start_server prefill_first --no-enable-chunked-prefill "$@"; then
+if wanted prefill_first && start_server prefill_first $LEN --no-enable-chunked-prefill "$@"; then
   bench w1_prefill_first "${W1[@]}"
   bench w2_prefill_first "${W2[@]}"
   stop_server
 fi
-if wanted chunked && start_server chunked "$@"; then
+if wanted chunked && start_server chunked $LEN "$@"; then
   bench w1_chunked "${W1[@]}"
   bench w2_chunked "${W2[@]}"
   read -r -a rates <<<"$SWEEP_RATES"
@@ -95,10 +50,21 @@ if wanted chunked && start_server chunked "$@"; then
   stop_server
 fi
 for budget in 256 1024 2048; do
-  if wanted "budget$budget" && start_server "budget$budget" --max-num-batched-tokens "$budget" "$@"; then
+  if wanted "budget$budget" && start_server "budget$budget" $LEN --max-num-batched-tokens "$budget" "$@"; then
     bench "w1_budget$budget" "${W1[@]}"
     # Long prompts are where a larger budget could pay: workload 2 at the largest one too.
     [ "$budget" = 2048 ] && bench "w2_budget$budget" "${W2[@]}"
+    stop_server
+  fi
+done
+# VARIANTS="name:[NAME=VALUE...] server args;...": extra servers (environment first) on
+# workload 1, and on workload 2 too for the names in W2_VARIANTS (space-separated).
+IFS=';' read -r -a extra <<<"${VARIANTS:-}"
+for v in "${extra[@]}"; do
+  name=${v%%:*}; read -r -a vargs <<<"${v#*:}"
+  if start_server "$name" "${vargs[@]}" $LEN "$@"; then
+    bench "w1_$name" "${W1[@]}"
+    [[ " ${W2_VARIANTS:-} " == *" $name "* ]] && bench "w2_$name" "${W2[@]}"
     stop_server
   fi
 done
