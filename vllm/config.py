@@ -97,7 +97,8 @@ class SchedulerConfig:
     With ``enable_chunked_prefill`` a prompt is prefilled over several steps within it;
     without, prompts run whole (prefill-first). ``encoder_layers_per_step``: image-layers of
     the vision encoder per step for waiting requests (an image-layer is one encoder layer over
-    one image's tiles); 0 encodes images whole inside the prefill step.
+    one image's tiles), to which a step adds what the token budget leaves (the scheduler's
+    ``encoder_layer_tokens``); 0 encodes images whole inside the prefill step.
     ``max_num_encoder_tiles``: tiles of the images whose vision tokens a step's prefill
     carries. ``scheduling_policy``: ``fcfs`` or ``priority`` (lower first, then arrival).
     ``enable_prefix_caching``: full self pages are kept under keys of their tokens and images

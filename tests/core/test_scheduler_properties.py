@@ -61,10 +61,11 @@ event = st.tuples(st.sampled_from(["abort", "preempt", "none", "none"]), st.inte
 class Sim:
     """The scheduler with a host stand-in for the runner (tokens, encoder layers)."""
 
-    def __init__(self, config: SchedulerConfig, num_pages: int) -> None:
+    def __init__(self, config: SchedulerConfig, num_pages: int, layer_tokens: int = 0) -> None:
         self.config = config
+        self.layer_tokens = layer_tokens
         self.bm = BlockManager(num_pages, 4, 8)
-        self.sched = Scheduler(config, self.bm, TILES, LAYERS_PER_IMAGE)
+        self.sched = Scheduler(config, self.bm, TILES, LAYERS_PER_IMAGE, layer_tokens)
         self.encoder_done: dict[str, int] = {}
         self.overtaken: dict[str, int] = {}
         self.admitted: list[str] = []
@@ -75,7 +76,11 @@ class Sim:
     ) -> None:
         c = self.config
         assert out.num_tokens <= c.max_num_batched_tokens
-        assert sum(w.layers for w in out.encoder_work) <= max(c.encoder_layers_per_step, 0)
+        # The encoder's own share, plus what the token budget left at its cost in tokens.
+        layers = c.encoder_layers_per_step
+        if layers and self.layer_tokens:
+            layers += (c.max_num_batched_tokens - out.num_tokens) // self.layer_tokens
+        assert sum(w.layers for w in out.encoder_work) <= layers
         for chunk in out.chunks:
             assert 0 <= chunk.start < chunk.end <= len(chunk.seq)
             if not c.enable_chunked_prefill:
@@ -143,6 +148,7 @@ class Sim:
     encoder=st.sampled_from([0, 2, 3, 7]),
     pages=st.integers(30, 60),
     policy=st.sampled_from(["fcfs", "priority"]),
+    layer_tokens=st.sampled_from([0, 1, 3, 27]),
 )
 @example(  # a higher priority arriving while two others are encoded ahead (was a deadlock)
     specs=[(1, [0], 1, 1, 0, 2), (1, [0], 1, 1, 1, 1), (1, [0], 1, 1, 2, 0)],
@@ -152,8 +158,11 @@ class Sim:
     encoder=2,
     pages=30,
     policy="priority",
+    layer_tokens=0,
 )
-def test_scheduler_properties(specs, events, chunked, budget, encoder, pages, policy) -> None:
+def test_scheduler_properties(
+    specs, events, chunked, budget, encoder, pages, policy, layer_tokens
+) -> None:
     if not chunked:
         budget = MAX_LEN  # whole sequences must fit (the engine arguments enforce it)
     config = SchedulerConfig(
@@ -165,7 +174,7 @@ def test_scheduler_properties(specs, events, chunked, budget, encoder, pages, po
         encoder_layers_per_step=encoder,
         scheduling_policy=policy,
     )
-    sim = Sim(config, pages)
+    sim = Sim(config, pages, layer_tokens)
     sched = sim.sched
     pending = sorted(enumerate(specs), key=lambda x: x[1][5])
     aborted: set[str] = set()
@@ -285,3 +294,59 @@ def test_overtaking_stops_after_the_bound() -> None:
         sim.run(out)
     assert overtaking_steps == MAX_SKIPPED_STEPS
     assert big_at is not None and big_at > MAX_SKIPPED_STEPS  # it waited for "run"'s pages
+
+
+def test_the_budget_left_goes_to_the_encoder() -> None:
+    """An image waits alone: its step runs the encoder's own 2 layers plus what the 32-token
+    budget leaves at 4 tokens a layer; next to a prompt that fills the budget, only its own 2."""
+    config = SchedulerConfig(
+        max_num_seqs=4,
+        max_num_batched_tokens=32,
+        max_model_len=MAX_LEN,
+        max_num_encoder_tiles=4 * TILES,
+        enable_chunked_prefill=True,
+        encoder_layers_per_step=2,
+    )
+    images = 4  # 4 images of LAYERS_PER_IMAGE layers: more than one step can take
+    for prompt, expected in ((0, 2 + 32 // 4), (40, 2)):
+        sim = Sim(config, 60, layer_tokens=4)
+        if prompt:
+            sim.sched.add_request(Request("text", _inputs(prompt, []), SamplingParams(), 0.0))
+        sim.sched.add_request(
+            Request("img", _inputs(8, list(range(images))), SamplingParams(), 1.0)
+        )
+        out = sim.sched.schedule()
+        assert out.num_tokens == min(prompt, 32)
+        assert [w.layers for w in out.encoder_work] == [expected]
+
+
+def test_encoder_layer_tokens_counts_the_flops() -> None:
+    """One encoder layer over an image against one prefill token, both by FLOPs: by hand for
+    a small shape, and the 90B text model makes an image-layer worth fewer tokens than 11B's."""
+    from vllm.core.scheduler import encoder_layer_tokens
+    from vllm.transformers_utils.config import parse_mllama_config
+    from vllm.transformers_utils.demo_checkpoints import build_demo_config
+
+    text = dataclasses.make_dataclass(
+        "T",
+        [
+            "hidden_size",
+            "intermediate_size",
+            "num_hidden_layers",
+            "num_key_value_heads",
+            "head_dim",
+        ],
+    )(8, 16, 2, 2, 2)
+    vision = dataclasses.make_dataclass(
+        "V", ["max_num_tiles", "tokens_per_tile", "hidden_size", "intermediate_size"]
+    )(2, 5, 4, 8)
+    # Vision: 10 tokens x 2 x (4*16 + 2*32) weights + 4 * 10 * 10 * 4 for attention = 4160.
+    # Text token: 2 x 2 layers x (2*64 + 2*8*4 + 3*128) = 2304; 4160 / 2304 rounds up to 2.
+    assert encoder_layer_tokens(text, vision) == 2
+    small, large = (
+        encoder_layer_tokens(spec.text, spec.vision)
+        for spec in (
+            parse_mllama_config(build_demo_config(f"demo/mllama-{size}")) for size in ("11b", "90b")
+        )
+    )
+    assert large < small

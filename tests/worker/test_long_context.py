@@ -12,7 +12,7 @@ import re
 import pytest
 import torch
 
-from vllm.engine.arg_utils import EngineArgs
+from vllm.engine.arg_utils import DEFAULT_CHUNKED_BATCHED_TOKENS, EngineArgs
 from vllm.engine.llm_engine import LLMEngine
 from vllm.model_executor.models.mllama import MllamaForConditionalGeneration
 from vllm.worker import memory
@@ -69,11 +69,12 @@ def test_profile_never_builds_a_step_larger_than_the_budget(
 
 def test_default_max_model_len_is_the_models_full_context_with_chunking() -> None:
     """No --max-model-len on a GPU: the model's max_position_embeddings; the default token
-    budget stays 512 (no longer tied to max_model_len with chunked prefill)."""
+    budget stays the serving default (no longer tied to max_model_len with chunked prefill)."""
     args = EngineArgs(model="demo/mllama-tiny")
     assert args._max_model_len(FULL, torch.device("cuda")) == FULL
     sched = args._scheduler_config(FULL, 1, 4)
-    assert sched.enable_chunked_prefill and sched.max_num_batched_tokens == 512
+    assert sched.enable_chunked_prefill
+    assert sched.max_num_batched_tokens == DEFAULT_CHUNKED_BATCHED_TOKENS < FULL
 
 
 def _small_pool(max_model_len: int, pool_tokens: int):

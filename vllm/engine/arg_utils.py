@@ -43,13 +43,15 @@ IGNORED_OPTIONS: dict[str, str] = {
     "tokenizer_mode": "the checkpoint's fast tokenizer (tokenizer.json) is always used",
 }
 # Serving defaults with chunked prefill (one place to change them; benchmarks/RESULTS.md has
-# the measurements). A step's work is a decode (a graph replay, ~7 ms for 32 rows of 11B on an
-# H200) plus what the budgets add. 512 tokens: the text GEMMs are compute-bound from a few
-# hundred rows on an H200, so larger chunks hardly raise prefill throughput, while each token
-# adds to the step (~17 ms for 512 tokens of 11B), and the p99 gap between tokens stays under
-# 60 ms. 8 image-layers: ~9 ms of the 11B vision tower (40 layers over 4 tiles, ~45 ms an
-# image), so no step carries a whole image and an image is ready in 5 steps.
-DEFAULT_CHUNKED_BATCHED_TOKENS = 512
+# the measurements, 2026-12-02, H200, 11B). 2048 tokens: on the serving benchmark's long
+# prompts (2k-16k tokens) 512-token chunks reach 64% of prefill-first's throughput and 2048
+# reach 102%, while on its short prompts both reach 87-89%; larger chunks lengthen the steps
+# that carry them (p99 gap between tokens 154 ms at 2048 against 82 ms at 512 on short
+# prompts), the cost the throughput target outranks. 8 image-layers: the encoder's own share
+# of a step (~9 ms of the 11B vision tower: 40 layers over 4 tiles, ~45 ms an image), so
+# images advance while prompts fill the token budget; what the budget leaves goes to the
+# encoder too (``Scheduler.encoder_layer_tokens``).
+DEFAULT_CHUNKED_BATCHED_TOKENS = 2048
 DEFAULT_ENCODER_LAYERS_PER_STEP = 8
 # Image-processor options a user may set (--mm-processor-kwargs); the tile size, resizing and
 # padding are the checkpoint's, since the vision tower is built for them.

@@ -173,9 +173,9 @@ _FLAG_SPECS: dict[str, dict[str, Any]] = {
     "encoder_layers_per_step": {
         "type": int,
         "help": "Image-layers of the vision encoder per iteration for waiting requests (one "
-        "encoder layer over one image's tiles is one image-layer), so no iteration carries a "
-        "whole image; at least the images per prompt. 0: encode images whole inside the "
-        "prefill.",
+        "encoder layer over one image's tiles is one image-layer), plus what "
+        "--max-num-batched-tokens leaves after decode and prefill at the encoder's cost in "
+        "tokens; at least the images per prompt. 0: encode images whole inside the prefill.",
         "default_text": "8 with chunked prefill, else 0",
     },
     "scheduling_policy": {

@@ -15,7 +15,7 @@ from typing import Any
 
 from vllm.config import VllmConfig
 from vllm.core.block_manager import BlockManager
-from vllm.core.scheduler import Scheduler
+from vllm.core.scheduler import Scheduler, encoder_layer_tokens
 from vllm.core.scheduler_output import SchedulerOutput
 from vllm.core.sequence import Request
 from vllm.engine.arg_utils import EngineArgs
@@ -85,7 +85,8 @@ class LLMEngine:
         vision = mc.spec.vision
         self.scheduler = Scheduler(config.scheduler_config, self.block_manager,
                                    vision.max_num_tiles,
-                                   vision.num_hidden_layers + vision.num_global_layers)
+                                   vision.num_hidden_layers + vision.num_global_layers,
+                                   encoder_layer_tokens(mc.spec.text, vision))
         self.generation_config = load_generation_config(config)
         eos = set(mc.spec.text.eos_token_ids)
         if self.tokenizer.eos_token_id is not None:
