@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import contextlib
 import hashlib
 import io
 import random
@@ -19,7 +20,12 @@ import torch
 from vllm.inputs import MAX_CACHE_SALT_CHARS
 from vllm.multimodal import image as image_mod
 from vllm.multimodal.image import ImageMediaConnector
-from vllm.multimodal.image_cache import ENTRY_OVERHEAD_BYTES, ProcessedImage, ProcessedImageCache
+from vllm.multimodal.image_cache import (
+    ENTRY_OVERHEAD_BYTES,
+    DigestMemo,
+    ProcessedImage,
+    ProcessedImageCache,
+)
 from vllm.multimodal.image_identity import (
     HashedImage,
     encoded_image_digest,
@@ -130,6 +136,54 @@ def test_resent_image_is_neither_decoded_nor_tiled(parts, monkeypatch) -> None:
         assert same_inputs(off.process(prompt(off, images)), first)
         assert off.image_processor.images == n
     assert len(decodes) == 3
+
+
+def test_resent_data_url_is_not_base64_decoded(parts, monkeypatch) -> None:
+    """A resent data: URL is found from its base64 text: no base64 decoding, no image
+    decoding, the same digest and pixels; another salt, a changed URL or the cache off
+    decode again; the memo of URLs keeps at most its number of entries."""
+    proc = make(parts)
+    decoded = []
+    real = image_mod.decode_base64
+
+    def counting(payload: str) -> bytes:
+        decoded.append(len(payload))
+        return real(payload)
+
+    monkeypatch.setattr(image_mod, "decode_base64", counting)
+    media = ImageMediaConnector()
+    url = data_url(png(pil(60, 30, seed=11)))
+
+    def turn(u: str, salt: str | None = None, p: MllamaInputProcessor = proc) -> Any:
+        images = asyncio.run(media.fetch_images_async([u], p.image_lookup(salt)))
+        return p.process(prompt(p, images, **({"cache_salt": salt} if salt else {})))
+
+    first = turn(url)
+    assert len(decoded) == 1 and len(proc.data_urls) == 1
+    assert same_inputs(turn(url), first) and len(decoded) == 1  # found by its text
+    hit = media.fetch_image(url, proc.image_lookup())  # the blocking twin too
+    assert hit.processed is not None and len(decoded) == 1
+    turn(url, salt="tenant")  # its own entries: decoded (and tiled) once for that salt
+    assert len(decoded) == 2 and proc.image_processor.images == 2
+    turn(url, salt="tenant")
+    assert len(decoded) == 2
+    other = data_url(png(pil(60, 30, seed=12)))
+    turn(other)
+    assert len(decoded) == 3
+    off = make(parts, cache_bytes=0)
+    for n in (1, 2):
+        assert same_inputs(turn(url, p=off), first)
+        assert len(decoded) == 3 + n and len(off.data_urls) == 0
+    # A URL whose text differs from a remembered one in one base64 character is not found
+    # (whether its bytes still decode to an image or not).
+    bad = url[:-8] + ("A" if url[-8] != "A" else "B") + url[-7:]
+    with contextlib.suppress(ValueError):
+        asyncio.run(media.fetch_images_async([bad], proc.image_lookup()))
+    assert len(decoded) == 6
+    memo = DigestMemo(2)
+    for i in range(3):
+        memo.put(bytes([i]) * 32, bytes([i]) * 32)
+    assert len(memo) == 2 and memo.get(bytes(32)) is None and memo.get(b"\x02" * 32)
 
 
 def test_a_hit_meets_the_pixel_limit_a_decode_would(parts) -> None:

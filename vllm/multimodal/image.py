@@ -25,7 +25,9 @@ Security rules for URLs a client names (the server fetches them on the client's 
 Given a request's ``lookup`` (``MllamaInputProcessor.image_lookup``), fetching hashes the bytes
 it fetched and asks the processed-image cache first (``image_identity.py``, ``image_cache.py``):
 an image the cache holds is not decoded at all, and every image leaves here as a
-``HashedImage`` carrying its digest.
+``HashedImage`` carrying its digest. A ``data:`` URL seen before is found from a digest of its
+base64 text (``image_identity.data_url_key``, salted like the cache), so a resent one is not
+even base64-decoded: chat clients resend the same URL on every turn.
 
 Every failure is a ``ValueError`` whose message can be shown to the client.
 """
@@ -143,8 +145,8 @@ def _pil_message(e: Exception) -> str:
     return text[:cut] if cut >= 0 else text
 
 
-def parse_data_url(url: str, max_bytes: int = DEFAULT_MAX_IMAGE_BYTES) -> bytes:
-    """The bytes of a ``data:image/...;base64,...`` URL."""
+def split_data_url(url: str, max_bytes: int = DEFAULT_MAX_IMAGE_BYTES) -> str:
+    """The base64 text of a ``data:image/...;base64,...`` URL, its header and size checked."""
     header, sep, payload = url.partition(",")
     if not sep or not header.startswith("data:"):
         raise ValueError("Invalid data URL: expected 'data:image/<format>;base64,<data>'.")
@@ -155,10 +157,20 @@ def parse_data_url(url: str, max_bytes: int = DEFAULT_MAX_IMAGE_BYTES) -> bytes:
         raise ValueError("Only base64-encoded data URLs are supported for images.")
     if len(payload) > (max_bytes * 4) // 3 + 4:
         raise ValueError(f"The image is larger than the limit of {max_bytes} bytes.")
+    return payload
+
+
+def decode_base64(payload: str) -> bytes:
+    """A data URL's bytes from its (strictly validated) base64 text."""
     try:
         return base64.b64decode(payload, validate=True)
     except (binascii.Error, ValueError):
         raise ValueError("Invalid base64 image data in data URL.") from None
+
+
+def parse_data_url(url: str, max_bytes: int = DEFAULT_MAX_IMAGE_BYTES) -> bytes:
+    """The bytes of a ``data:image/...;base64,...`` URL."""
+    return decode_base64(split_data_url(url, max_bytes))
 
 
 class ImageMediaConnector:
@@ -291,11 +303,22 @@ class ImageMediaConnector:
         """Fetches and decodes one image; decoding runs in a worker thread, a few at a time
         (each holds a full-size bitmap while it runs). With ``lookup``, the bytes are hashed
         first (in a worker thread, outside the decode gate) and an image found in the cache
-        is returned undecoded, as a ``HashedImage``."""
-        data = await self.fetch_bytes_async(url)
+        is returned undecoded, as a ``HashedImage``; a resent ``data:`` URL is found from its
+        base64 text, without decoding the base64 either."""
+        key = None
+        if lookup is not None and url.startswith("data:"):
+            payload = split_data_url(url, self.max_bytes)
+            key, found = await asyncio.to_thread(lookup.find_data_url, payload)
+            if found is not None:
+                return self._cached(*found)
+            data = decode_base64(payload)
+        else:
+            data = await self.fetch_bytes_async(url)
         digest = None
         if lookup is not None:
             digest, hit = await asyncio.to_thread(lookup.lookup_encoded, data)
+            if key is not None:
+                lookup.remember_data_url(key, digest)
             if hit is not None:
                 return self._cached(digest, hit)
         async with self._decode_gate():
@@ -393,10 +416,20 @@ class ImageMediaConnector:
 
     def fetch_image(self, url: str, lookup: EncodedImageLookup | None = None) -> Any:
         """Blocking :meth:`fetch_image_async`."""
-        data = self.fetch_bytes(url)
+        key = None
+        if lookup is not None and url.startswith("data:"):
+            payload = split_data_url(url, self.max_bytes)
+            key, found = lookup.find_data_url(payload)
+            if found is not None:
+                return self._cached(*found)
+            data = decode_base64(payload)
+        else:
+            data = self.fetch_bytes(url)
         if lookup is None:
             return decode_image(data, self.max_pixels)
         digest, hit = lookup.lookup_encoded(data)
+        if key is not None:
+            lookup.remember_data_url(key, digest)
         if hit is not None:
             return self._cached(digest, hit)
         return HashedImage(digest, image=decode_image(data, self.max_pixels))

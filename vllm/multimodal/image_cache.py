@@ -104,3 +104,31 @@ class ProcessedImageCache:
             self._entries.clear()
             self._bytes = 0
             self.queries = self.hits = 0
+
+
+class DigestMemo:
+    """A bounded LRU map key -> digest (both 32 bytes): what a ``data:`` URL's base64 text
+    decodes to, so that a resent URL is found without decoding it. Thread-safe."""
+
+    def __init__(self, max_entries: int) -> None:
+        self.max_entries = max_entries
+        self._entries: OrderedDict[bytes, bytes] = OrderedDict()
+        self._lock = threading.Lock()
+
+    def get(self, key: bytes) -> bytes | None:
+        with self._lock:
+            digest = self._entries.get(key)
+            if digest is not None:
+                self._entries.move_to_end(key)
+            return digest
+
+    def put(self, key: bytes, digest: bytes) -> None:
+        with self._lock:
+            self._entries[key] = digest
+            self._entries.move_to_end(key)
+            while len(self._entries) > self.max_entries:
+                self._entries.popitem(last=False)
+
+    def __len__(self) -> int:
+        with self._lock:
+            return len(self._entries)

@@ -38,6 +38,7 @@ _ENCODED = b"vllm/mllama/image/encoded/v1"
 _PIXELS = b"vllm/mllama/image/pixels/v1"
 _OPTIONS = b"vllm/mllama/image/options/v1"
 _SALTED = b"vllm/mllama/image/salted/v1"
+_DATA_URL = b"vllm/mllama/image/data-url/v1"
 
 
 def _field(data: bytes) -> bytes:
@@ -101,6 +102,16 @@ def cache_key(digest: bytes, cache_salt: str | None) -> bytes:
     ).digest()
 
 
+def data_url_key(payload: str, fingerprint: bytes, cache_salt: str | None) -> bytes:
+    """The key under which the digest of a ``data:`` URL's decoded bytes is remembered: a
+    digest of its base64 text (so a resent URL needs no base64 decoding to be found), salted
+    like the cache's keys (a hit shows in timing)."""
+    salt = b"\x00" if cache_salt is None else b"\x01" + cache_salt.encode("utf-8")
+    h = hashlib.sha256(_field(_DATA_URL) + _field(fingerprint) + _field(salt))
+    h.update(_field(payload.encode("ascii")))  # hashlib releases the GIL for large buffers
+    return h.digest()
+
+
 @dataclass(frozen=True)
 class HashedImage:
     """An image with its identity, as the server hands it to input processing: the decoded
@@ -121,4 +132,13 @@ class EncodedImageLookup(Protocol):
 
     def lookup_encoded(self, data: bytes) -> tuple[bytes, ProcessedImage | None]:
         """The digest of encoded image bytes, and the processed image cached under it."""
+        ...
+
+    def find_data_url(self, payload: str) -> tuple[bytes, tuple[bytes, ProcessedImage] | None]:
+        """The key of a ``data:`` URL's base64 text (``data_url_key``), and the digest and
+        processed image of its bytes when both were seen before (no decoding needed)."""
+        ...
+
+    def remember_data_url(self, key: bytes, digest: bytes) -> None:
+        """Notes that the ``data:`` URL under ``key`` decodes to bytes of ``digest``."""
         ...

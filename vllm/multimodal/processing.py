@@ -24,15 +24,19 @@ from vllm.multimodal.cross_attention import (
     last_group,
 )
 from vllm.multimodal.image import DECODER_RULES
-from vllm.multimodal.image_cache import ProcessedImage, ProcessedImageCache
+from vllm.multimodal.image_cache import DigestMemo, ProcessedImage, ProcessedImageCache
 from vllm.multimodal.image_identity import (
     HashedImage,
     cache_key,
+    data_url_key,
     encoded_image_digest,
     pil_image_digest,
     processing_fingerprint,
 )
 from vllm.transformers_utils.config import MllamaSpec
+
+# Resent data: URLs remembered by their text (64 bytes of digests each, plus the dict's own).
+DATA_URL_MEMO_ENTRIES = 4096
 
 
 @dataclass
@@ -145,6 +149,20 @@ class ImageLookup:
         digest = encoded_image_digest(data, self.processor.fingerprint)
         return digest, self.processor.cached_image(digest, self.cache_salt)
 
+    def find_data_url(self, payload: str) -> tuple[bytes, tuple[bytes, ProcessedImage] | None]:
+        """A resent ``data:`` URL: the digest its bytes had, and the cached processed image,
+        found from its base64 text alone (``data_url_key``); None when either is unknown."""
+        key = data_url_key(payload, self.processor.fingerprint, self.cache_salt)
+        if not self.processor.image_cache.enabled:
+            return key, None
+        digest = self.processor.data_urls.get(key)
+        hit = None if digest is None else self.processor.cached_image(digest, self.cache_salt)
+        return key, None if hit is None else (digest, hit)
+
+    def remember_data_url(self, key: bytes, digest: bytes) -> None:
+        if self.processor.image_cache.enabled:
+            self.processor.data_urls.put(key, digest)
+
 
 class MllamaInputProcessor:
     """Tokenises prompts, processes images and validates the pair against the model.
@@ -171,6 +189,8 @@ class MllamaInputProcessor:
         self.processor_kwargs = dict(processor_kwargs or {})
         # --mm-processor-cache-gb: processed images by digest (0 bytes: off).
         self.image_cache = ProcessedImageCache(image_cache_bytes)
+        # data: URL text -> the digest of its bytes (``ImageLookup.find_data_url``).
+        self.data_urls = DigestMemo(DATA_URL_MEMO_ENTRIES)
         self.fingerprint = processing_fingerprint(
             {"class": type(image_processor).__qualname__, **image_processor.to_dict()},
             self.processor_kwargs, spec.vision.max_num_tiles,
