@@ -134,6 +134,8 @@ class BlockManager:
             request.cross_block_table = pages
             request.cross_written = request.cross_cached = True
         elif not request.cross_block_table and request.has_images:
+            if self._cross_key(request) is not None:
+                self.pool.cross_cache_queries += 1  # looked up (probe_cross) and not found
             request.cross_block_table = self.pool.allocate(self.cross_pages_for(request))
             request.cross_written = request.cross_cached = False
         for s in seqs:

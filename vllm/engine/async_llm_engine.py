@@ -258,6 +258,8 @@ class AsyncLLMEngine:
             "num_preemptions": sched.num_preemptions,
             "prefix_cache_queries": self.engine.block_manager.pool.prefix_cache_queries,
             "prefix_cache_hits": self.engine.block_manager.pool.prefix_cache_hits,
+            "cross_cache_queries": self.engine.block_manager.pool.cross_cache_queries,
+            "cross_cache_hits": self.engine.block_manager.pool.cross_cache_hits,
             "graph_replays": dict(runner.stats.graph_replays),
             "eager_decode_steps": runner.stats.eager_decode_steps,
             "images_encoded_ahead": runner.stats.images_encoded_ahead,

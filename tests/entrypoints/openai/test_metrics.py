@@ -11,6 +11,7 @@ import pytest
 from openai_server_utils import (
     MODEL,
     RunningServer,
+    image_message,
     parse_server_args,
     start_server,
     wait_until_idle,
@@ -184,6 +185,19 @@ def test_http_request_metrics(server: RunningServer) -> None:
     assert _http(after, "http_request_duration_highr_seconds_count") >= 4
 
 
+def _png_data_url() -> str:
+    import base64
+    import io
+
+    import numpy as np
+    from PIL import Image
+
+    pixels = np.random.default_rng(3).integers(0, 256, (40, 60, 3), dtype=np.uint8)
+    buf = io.BytesIO()
+    Image.fromarray(pixels).save(buf, format="PNG")
+    return "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode()
+
+
 def test_prefix_cache_counters() -> None:
     """With --enable-prefix-caching: queried and cached prompt tokens, vLLM's names."""
     args = parse_server_args(["--enable-prefix-caching"])
@@ -202,6 +216,18 @@ def test_prefix_cache_counters() -> None:
         assert delta(before, middle, "vllm:prefix_cache_hits_total") == 0
         assert delta(middle, after, "vllm:prefix_cache_queries_total") == n
         assert delta(middle, after, "vllm:prefix_cache_hits_total") == (n - 1) // 16 * 16
+        for name in ("vllm:cross_cache_queries_total", "vllm:cross_cache_hits_total"):
+            assert delta(before, after, name) == 0  # no image: no cross group looked up
+        # The same image twice: its cross group is looked up each time, found the second.
+        url = _png_data_url()
+        for turn in range(2):
+            start = scrape(server)
+            body = {"model": MODEL, "messages": image_message(url), "max_tokens": 2}
+            r = httpx.post(f"{server.url}/v1/chat/completions", json=body, timeout=60)
+            assert r.status_code == 200, r.text
+            end = scrape(server)
+            assert delta(start, end, "vllm:cross_cache_queries_total") >= 1
+            assert (delta(start, end, "vllm:cross_cache_hits_total") >= 1) == (turn == 1)
         (labels,) = [dict(k[1]) for k in after if k[0] == "vllm:cache_config_info"]
         assert labels["enable_prefix_caching"] == "True"
     finally:

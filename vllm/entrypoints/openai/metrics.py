@@ -64,6 +64,17 @@ _ENGINE_COUNTERS = (
         "prefix_cache_hits",
     ),
     (
+        "vllm:cross_cache_queries",
+        "Lookups of an image group's cross-attention KV in the prefix cache.",
+        "cross_cache_queries",
+    ),
+    (
+        "vllm:cross_cache_hits",
+        "Lookups of an image group's cross-attention KV that found it (no vision tower, no "
+        "K/V projection).",
+        "cross_cache_hits",
+    ),
+    (
         "vllm:prefill_chunks",
         "Prefill chunks that did not end their prompt (chunked prefill).",
         "prefill_chunks",
