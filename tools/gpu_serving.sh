@@ -13,16 +13,17 @@
 # JSON and /metrics, the sweep's JSON + PNG, and serving_summary.{json,md} (the table).
 # Usage (repository root, offline GPU machine): bash tools/gpu_serving.sh [extra server args...]
 # Env: ONLY (space-separated variant names to run: prefill_first chunked budget256 budget1024
-# budget2048; "none" for none of them), VARIANTS (below), SWEEP_RATES ("1 2 4 8 16 inf"), SWEEP_PROMPTS (48), TRACE=1 (servers under
-# `python -m benchmarks.profiling serve`, a step trace per server), MODEL (demo/mllama-11b) and
-# NUM_PROMPTS (96; workload 2 takes 2/3 of it) for a dry run on a small model.
+# budget2048; unset: all of them, "" none), VARIANTS (below), SWEEP_RATES ("1 2 4 8 16 inf"),
+# SWEEP_PROMPTS (48), TRACE=1 (servers under `python -m benchmarks.profiling serve`, a step
+# trace per server), MODEL (demo/mllama-11b) and NUM_PROMPTS (96; workload 2 takes 2/3 of it)
+# for a dry run on a small model.
 set -uo pipefail
 source tools/gpu_env.sh || exit 1
 PORT=${PORT:-8321}
 MODEL=${MODEL:-demo/mllama-11b}
 N1=${NUM_PROMPTS:-96}
 N2=$(( N1 * 2 / 3 ))
-ONLY=${ONLY:-prefill_first chunked budget256 budget1024 budget2048}
+ONLY=${ONLY-prefill_first chunked budget256 budget1024 budget2048}
 SWEEP_RATES=${SWEEP_RATES:-1 2 4 8 16 inf}
 LEN="--max-model-len 16896"
 W1=(--num-prompts "$N1" --max-concurrency 32 --input-len 200 --random-range-ratio 0.5
