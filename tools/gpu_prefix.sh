@@ -5,7 +5,8 @@
 #   multi_turn:  32 conversations at concurrency 32, 4 turns, one image per conversation;
 #   cache miss:  workload 1 of tools/gpu_serving.sh (96 requests at concurrency 32).
 # Writes under $OUT each server's log, prefix_{on,off}_{second_turn,multi_turn}.json and
-# w1_prefix_{on,off}.json with their /metrics, and prints the comparison last.
+# w1_prefix_{on,off}.json with their /metrics (the prefix and cross-group cache counters of
+# each part are printed), and prints the comparison last.
 # Usage (repository root, offline GPU machine): bash tools/gpu_prefix.sh [extra server args...]
 # Env: PARTS (a subset of "second_turn multi_turn cache_miss"), REPEAT (10), SKIP_TESTS=1.
 set -uo pipefail
@@ -23,10 +24,23 @@ if [ "${SKIP_TESTS:-0}" != 1 ]; then
     >"$OUT/prefix_tests.log" 2>&1
   echo "[$((SECONDS - T0)) s] tests: $(tail -1 "$OUT/prefix_tests.log")"
 fi
-chat() {  # chat TAG [prefix_chat args...]
+chat() {  # chat TAG [prefix_chat args...]: its report, and /metrics before and after
   local tag=$1; shift
+  metrics "$OUT/$tag.metrics.before.txt"
   python3 -m benchmarks.prefix_chat --port "$PORT" --model "$MODEL" "$@" >"$OUT/$tag.json" \
     2>"$OUT/$tag.err" || tail -5 "$OUT/$tag.err"
+  metrics "$OUT/$tag.metrics.txt"
+  python3 - "$OUT/$tag" <<'PY'
+import sys
+def total(path, name):
+    with open(path) as f:
+        return sum(float(l.rsplit(" ", 1)[1]) for l in f if l.startswith(name))
+tag = sys.argv[1]
+d = {n: total(tag + ".metrics.txt", n) - total(tag + ".metrics.before.txt", n)
+     for n in ("vllm:cross_cache_queries_total", "vllm:cross_cache_hits_total",
+               "vllm:prefix_cache_queries_total", "vllm:prefix_cache_hits_total")}
+print(tag.rsplit("/", 1)[-1], " ".join(f"{k.split(':')[1][:-6]} {v:.0f}" for k, v in d.items()))
+PY
 }
 for mode in on off; do
   flag=--no-enable-prefix-caching
