@@ -31,7 +31,8 @@ evicted before an older one.
 
 Counters: ``prefix_cache_queries`` / ``prefix_cache_hits`` count prompt tokens looked up and
 found (vLLM's ``vllm:prefix_cache_queries_total`` / ``vllm:prefix_cache_hits_total``);
-``cross_cache_queries`` / ``cross_cache_hits`` count cross-group lookups.
+``cross_cache_queries`` / ``cross_cache_hits`` count cross-group lookups (the block manager
+also counts, as a query, each image request that found no usable group and allocated its own).
 """
 
 from __future__ import annotations

@@ -307,11 +307,9 @@ class ImageMediaConnector:
         base64 text, without decoding the base64 either."""
         key = None
         if lookup is not None and url.startswith("data:"):
-            payload = split_data_url(url, self.max_bytes)
-            key, found = await asyncio.to_thread(lookup.find_data_url, payload)
+            key, found, data = await asyncio.to_thread(self._data_url, url, lookup)
             if found is not None:
                 return self._cached(*found)
-            data = decode_base64(payload)
         else:
             data = await self.fetch_bytes_async(url)
         digest = None
@@ -324,6 +322,15 @@ class ImageMediaConnector:
         async with self._decode_gate():
             img = await asyncio.to_thread(decode_image, data, self.max_pixels)
         return img if digest is None else HashedImage(digest, image=img)
+
+    def _data_url(
+        self, url: str, lookup: EncodedImageLookup
+    ) -> tuple[bytes, tuple[bytes, ProcessedImage] | None, bytes]:
+        """A ``data:`` URL's text key, its cached (digest, processed image) when the URL was
+        seen before, else its bytes (``b""`` with a hit: nothing is decoded)."""
+        payload = split_data_url(url, self.max_bytes)
+        key, found = lookup.find_data_url(payload)
+        return key, found, b"" if found is not None else decode_base64(payload)
 
     def _cached(self, digest: bytes, hit: ProcessedImage) -> HashedImage:
         """A cache hit, held to this connector's pixel limit as a decode would be."""
@@ -418,11 +425,9 @@ class ImageMediaConnector:
         """Blocking :meth:`fetch_image_async`."""
         key = None
         if lookup is not None and url.startswith("data:"):
-            payload = split_data_url(url, self.max_bytes)
-            key, found = lookup.find_data_url(payload)
+            key, found, data = self._data_url(url, lookup)
             if found is not None:
                 return self._cached(*found)
-            data = decode_base64(payload)
         else:
             data = self.fetch_bytes(url)
         if lookup is None:
