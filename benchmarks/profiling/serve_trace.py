@@ -117,7 +117,7 @@ def install_step_trace() -> None:
     """Patches the engine's classes so every step appends one row to :data:`rows`."""
     engine_cls, runner_cls, scheduler_cls = engine_classes()
     spent = {"launch": 0.0, "collect": 0.0}
-    admitted = {"tokens": 0}
+    admitted = {"tokens": 0, "decode": 0, "encoder": 0, "chunks": 0}
 
     def adder(name):
         def done(t0, t1, args):
@@ -132,6 +132,10 @@ def install_step_trace() -> None:
     def counted(self, *args, **kwargs):
         out = schedule(self, *args, **kwargs)
         admitted["tokens"] += scheduled_prompt_tokens(out)
+        if out is not None:
+            admitted["decode"] += len(out.decode_seqs)
+            admitted["encoder"] += sum(w.layers for w in out.encoder_work)
+            admitted["chunks"] += len(out.chunks)
         return out
 
     scheduler_cls.schedule = counted
@@ -140,7 +144,7 @@ def install_step_trace() -> None:
     def traced(self):
         _, _, enc, job = engine_state(self)
         spent["launch"] = spent["collect"] = 0.0
-        admitted["tokens"] = 0
+        admitted.update(tokens=0, decode=0, encoder=0, chunks=0)
         t0 = time.perf_counter()
         out = step(self)
         running, waiting, _, job_after = engine_state(self)
@@ -158,6 +162,9 @@ def install_step_trace() -> None:
                 spent["collect"],
                 admitted["tokens"],
                 *allocator_deltas(),
+                admitted["decode"],
+                admitted["encoder"],
+                admitted["chunks"],
             ]
         )
         return out

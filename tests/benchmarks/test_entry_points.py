@@ -83,7 +83,8 @@ def test_no_script_edits_sys_path() -> None:
 
 def test_serve_trace_records_engine_steps(tmp_path: Path) -> None:
     """The step hooks of ``python -m benchmarks.profiling serve`` on an offline tiny engine:
-    one row per step, prompt tokens admitted by the prefill, none by decode steps."""
+    one row per step, prompt tokens admitted by the prefill, none by decode steps; decode
+    rows and chunks counted."""
     trace = tmp_path / "trace.json"
     code = (
         "from benchmarks.profiling import serve_trace as t\n"
@@ -104,5 +105,8 @@ def test_serve_trace_records_engine_steps(tmp_path: Path) -> None:
     )
     assert proc.returncode == 0, proc.stderr[-2000:]
     steps = json.loads(trace.read_text())["steps"]
-    assert steps and all(len(row) == 14 and row[1] >= row[0] for row in steps)
+    assert steps and all(len(row) == 17 and row[1] >= row[0] for row in steps)
     assert sum(row[10] for row in steps) == 4  # the one prompt's tokens, admitted once
+    assert sum(row[16] for row in steps) == 1  # in one chunk
+    assert sum(row[14] for row in steps) == 3  # the other three tokens decode, one row each
+    assert sum(row[15] for row in steps) == 0  # no image
