@@ -29,6 +29,7 @@ def _image(seed: int, w: int = 100, h: int = 60) -> Image.Image:
 def _llm(**kw) -> LLM:
     args = dict(
         model="demo/mllama-tiny",
+        dtype="float32",  # the logprob tolerance below is float32's, on CUDA too
         max_model_len=256,
         max_num_seqs=8,
         limit_mm_per_prompt={"image": 2},
@@ -75,12 +76,23 @@ class _ComputedTokens:
 
 
 class _VisionImages:
-    """Counts the images the vision tower encodes: inside a prefill step (its forward) or
-    ahead of it, over several steps (``ImagesEncoding``)."""
+    """Counts the images the vision tower encodes: inside a prefill step (its forward, or on
+    CUDA a replay of a vision graph, one image each) or ahead of it, over several steps
+    (``ImagesEncoding``)."""
 
     def __init__(self, llm: LLM, monkeypatch: pytest.MonkeyPatch) -> None:
-        vision = llm.llm_engine.runner.model.vision_model
+        runner = llm.llm_engine.runner
+        vision = runner.model.vision_model
         self.images = 0
+        graphs = runner.vision_graphs
+        if graphs is not None:
+            replay = graphs._replay
+
+            def replayed(num_tiles):
+                self.images += 1
+                return replay(num_tiles)
+
+            monkeypatch.setattr(graphs, "_replay", replayed)
         forward = vision.forward
 
         def spy(pixel_values, *args, **kwargs):

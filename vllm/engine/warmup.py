@@ -161,6 +161,7 @@ def warm_up(engine: LLMEngine) -> WarmupStats:
     engine.abort_request(runner_id)
     while engine.has_unfinished_requests():
         advance()
+    engine.reset_prefix_cache()  # the warm-up's pages and cross groups: no one's
     engine.reset_counters()
     stats = WarmupStats(len(ids), steps, time.perf_counter() - t0, gemms)
     logger.info("Warm-up: %d prefill GEMMs, %d requests, %d steps in %.1f s",
