@@ -337,6 +337,10 @@ class ModelRunner:
         )
         if batch.vision_parts:
             vision = batch.assemble_vision(vision)
+        n_vision = 0 if vision is None else vision.shape[0]
+        if n_vision != batch.num_vision_tokens:  # shapes are host data: no sync
+            raise RuntimeError(f"prefill step: {n_vision} vision tokens encoded for the "
+                               f"{batch.num_vision_tokens} its chunks' ranges index")
         for c in out.chunks:
             rows = batch.vision_rows.get(c.seq.request)
             held = c.progress.vision is not None

@@ -87,6 +87,8 @@ class PrefillBatch:
     vision_parts: list[tuple[torch.Tensor | None, int]] = field(default_factory=list)
     # vision_key -> [start, end) of its vision tokens in the step's packed vision tokens.
     vision_rows: dict[object, tuple[int, int]] = field(default_factory=dict)
+    # Rows of the step's packed vision tokens (fresh and encoded ahead; cached rows follow).
+    num_vision_tokens: int = 0
 
     def assemble_vision(self, fresh: torch.Tensor | None) -> torch.Tensor:
         """The step's packed vision tokens from ahead-encoded parts and ``fresh`` ones."""
@@ -234,6 +236,14 @@ def build_prefill_batch(items: list[PrefillItem], block_size: int, cross_block_s
             c0, c1 = inp.cached_vision_range
             cross_src.append(torch.arange(base + c0, base + c1))
             cross_slots.append(_slots(item.cross_block_table, enc_len, cross_block_size))
+    # The attention kernels index the packed vision K/V by these ranges without bounds
+    # checks: a range past its rows would read out of bounds on the device.
+    ends = max((r[3] for r in runs), default=0)
+    if ends > n_vision + n_cached:
+        raise RuntimeError(
+            f"prefill batch: a vision range ends at row {ends}, past the step's "
+            f"{n_vision} encoded and {n_cached} cached vision rows "
+            f"(chunks: {[(i.start, len(i.token_ids), i.inputs.num_vision_tokens) for i in items]})")
     pad = prefill_rows(len(ids)) - len(ids) if pad_rows and ids else 0
     if pad:
         ids += [0] * pad
@@ -278,6 +288,7 @@ def build_prefill_batch(items: list[PrefillItem], block_size: int, cross_block_s
             for key, b in vision_base.items()
             if not any(i.cross_cached for i in items if i.vision_key == key)
         },
+        num_vision_tokens=n_vision,
     )
 
 
