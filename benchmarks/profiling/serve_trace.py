@@ -48,7 +48,7 @@ def install_jit_hooks() -> None:
 
     def after(**kw) -> bool:
         end = time.perf_counter()
-        events.append(["jit", started.pop(str(kw.get("key")), end), end, str(kw.get("repr"))[:300]])
+        events.append(["jit", started.pop(str(kw.get("key")), end), end, str(kw.get("repr"))[:3000]])
         return False
 
     knobs.runtime.jit_cache_hook = before

@@ -13,7 +13,10 @@ than the token budget in chunks, images encoded over steps). Afterwards the engi
 request, every page is free and the runner's counters start from zero; its random images are
 not kept in the processed-image cache. Before the requests, the runner runs each text-layer
 GEMM at every padded prefill row count (``ModelRunner.warm_up_prefill_gemms``): cuBLAS's first
-call at a new row count costs host milliseconds, and prompt lengths vary without end.
+call at a new row count costs host milliseconds, and prompt lengths vary without end; and it
+compiles the attention back-end's prefill kernel at every key-split count
+(``ModelRunner.warm_up_attention_kernels``), which depends on the lengths of a step's prompts
+together, so the requests alone may miss some.
 """
 
 from __future__ import annotations
@@ -130,6 +133,7 @@ def warm_up(engine: LLMEngine) -> WarmupStats:
         raise RuntimeError("warm_up needs an idle engine")
     t0 = time.perf_counter()
     gemms = engine.runner.warm_up_prefill_gemms()
+    engine.runner.warm_up_attention_kernels()
     first, second = _prompts(engine)
     engine.input_processor.image_cache.clear()  # the warm-up's random images: no one's
     ids = [f"{WARMUP_PREFIX}{i}" for i in range(len(first) + len(second))]

@@ -182,6 +182,20 @@ class ModelRunner:
                 m(flat[: r * m.in_features].view(r, m.in_features))
         return len(linears) * len(rows)
 
+    @torch.inference_mode()
+    def warm_up_attention_kernels(self) -> list[int]:
+        """Compiles the attention back-end's prefill kernel variants that the warm-up
+        requests may not reach (the back-end's ``warm_up``, where it has one); returns what
+        it ran (for the Triton back-end, the key-split counts)."""
+        selfs, _ = self.model.attention_layers()
+        backend = selfs[0].backend if selfs else None
+        warm = getattr(backend, "warm_up", None)
+        if warm is None:
+            return []
+        attn = selfs[0]
+        return warm(attn.num_heads, attn.num_kv_heads, attn.head_dim,
+                    self.config.model_config.dtype, self.device)
+
     # ------------------------------------------------------------------ steps
     def execute(self, out: SchedulerOutput) -> StepOutput:
         """Runs a step to completion (launch, then wait for its results)."""

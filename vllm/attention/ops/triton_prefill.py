@@ -275,3 +275,10 @@ def split_count(num_tokens: int, num_heads: int, num_keys: int, num_sms: int,
     tiles (fewer keys are not worth a workspace round trip)."""
     base = triton.cdiv(num_tokens, config.block_m) * num_heads
     return max(1, min(num_sms // base, num_keys // (4 * config.block_n)))
+
+
+def split_counts(num_heads: int, num_sms: int) -> list[int]:
+    """Every value ``split_count`` can return for ``num_heads`` query heads on ``num_sms``
+    SMs, ascending: 1 up to the SMs over one query tile's programs (fewer tokens or keys only
+    lower it)."""
+    return list(range(1, max(1, num_sms // num_heads) + 1))
