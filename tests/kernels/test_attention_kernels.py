@@ -399,6 +399,39 @@ def test_ranged_cross_matches_reference(
     assert torch.equal(out[30], torch.zeros_like(out[30]))  # empty range
 
 
+@pytest.mark.parametrize(
+    "num_heads, num_kv_heads, head_dim, dtype, tokens",
+    [(4, 2, 32, torch.float32, 48), pytest.param(32, 8, 128, torch.bfloat16, 256, marks=GPU)],
+)
+@pytest.mark.parametrize("num_splits", [1, 2, 4])
+def test_ranged_cross_with_a_tile_that_sees_nothing(
+    num_heads: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype, tokens: int,
+    num_splits: int,
+) -> None:
+    """A budget-sized prefill step whose first query tiles are text that sees no image and
+    whose last rows see a 4-tile image: the shape that took the H200 down with an illegal
+    memory access (256 tokens, 2 splits, only 2 rows with a range) before empty tiles were
+    kept off the key arithmetic. Empty rows give zeros; the others the reference."""
+    cfg = default_prefill_config(dtype)
+    num_vision = 6404 if dtype != torch.float32 else 300
+    gen = _gen(47)
+    q = _randn(tokens, num_heads, head_dim, gen=gen, dtype=dtype)
+    k = _randn(num_vision, num_kv_heads, head_dim, gen=gen, dtype=dtype)
+    v = _randn(num_vision, num_kv_heads, head_dim, gen=gen, dtype=dtype)
+    seeing = tokens - 2  # only the last tile sees the image, with its last two rows
+    assert seeing >= cfg.block_m
+    ranges = torch.zeros(tokens, 2, dtype=torch.int32)
+    ranges[seeing:] = torch.tensor([0, num_vision], dtype=torch.int32)
+    runs = [(seeing, tokens, 0, num_vision)]
+    out = ranged_cross_attention(q, k, v, ranges.to(DEVICE), 0.3, num_splits=num_splits)
+    if DEVICE.type == "cuda":
+        torch.cuda.synchronize()
+    expected = ref.ranged_cross_attention(q, k, v, runs, 0.3)
+    torch.testing.assert_close(out.float(), expected.float(),
+                               **(FP32_TOL if dtype == torch.float32 else HALF_TOL))
+    assert torch.equal(out[:seeing], torch.zeros_like(out[:seeing]))
+
+
 def test_split_count() -> None:
     cfg = PrefillConfig(block_m=128, block_n=64)
     assert split_count(128, 32, 6404, 132, cfg) == 4  # 32 programs: 4 splits fill 132 SMs

@@ -98,9 +98,13 @@ def _ranged_cross_kernel(
     lo_q = tl.load(r_rows, mask=m_mask, other=0)
     hi_q = tl.load(r_rows + 1, mask=m_mask, other=0)
     nonempty = hi_q > lo_q
-    # The union of the tile's non-empty ranges; empty ones must not widen it.
+    # The union of the tile's non-empty ranges; empty ones must not widen it. A tile with
+    # none gets lo = hi = 0: the int32 sentinel must not reach the key arithmetic below, where
+    # lo + offsets wraps negative and passes the `keys < hi` mask (the pipelined loop's first
+    # loads are issued before its trip count is known: an illegal access on the H200).
     lo = tl.min(tl.where(nonempty, lo_q, 2147483647), 0)
     hi = tl.max(tl.where(nonempty, hi_q, 0), 0)
+    lo = tl.minimum(lo, hi)
     q = _load_rows(
         q_ptr + h * stride_qh, offs_m, stride_qt, offs_d, m_mask[:, None] & d_mask[None, :]
     )
