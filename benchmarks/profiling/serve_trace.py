@@ -48,7 +48,8 @@ def install_jit_hooks() -> None:
 
     def after(**kw) -> bool:
         end = time.perf_counter()
-        events.append(["jit", started.pop(str(kw.get("key")), end), end, str(kw.get("repr"))[:3000]])
+        start = started.pop(str(kw.get("key")), end)
+        events.append(["jit", start, end, str(kw.get("repr"))[:3000]])
         return False
 
     knobs.runtime.jit_cache_hook = before

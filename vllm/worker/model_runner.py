@@ -193,8 +193,13 @@ class ModelRunner:
         if warm is None:
             return []
         attn = selfs[0]
-        return warm(attn.num_heads, attn.num_kv_heads, attn.head_dim,
-                    self.config.model_config.dtype, self.device)
+        return warm(
+            attn.num_heads,
+            attn.num_kv_heads,
+            attn.head_dim,
+            self.config.model_config.dtype,
+            self.device,
+        )
 
     # ------------------------------------------------------------------ steps
     def execute(self, out: SchedulerOutput) -> StepOutput:
@@ -353,8 +358,10 @@ class ModelRunner:
             vision = batch.assemble_vision(vision)
         n_vision = 0 if vision is None else vision.shape[0]
         if n_vision != batch.num_vision_tokens:  # shapes are host data: no sync
-            raise RuntimeError(f"prefill step: {n_vision} vision tokens encoded for the "
-                               f"{batch.num_vision_tokens} its chunks' ranges index")
+            raise RuntimeError(
+                f"prefill step: {n_vision} vision tokens encoded for the "
+                f"{batch.num_vision_tokens} its chunks' ranges index"
+            )
         for c in out.chunks:
             rows = batch.vision_rows.get(c.seq.request)
             held = c.progress.vision is not None
