@@ -26,6 +26,11 @@ COMMANDS = {
         "benchmarks.profiling.serve_trace",
         "vllm serve with a step trace (STEP_TRACE=FILE): steps, JIT compiles, slow calls",
     ),
+    "timeline": (
+        "benchmarks.profiling.serve_timeline",
+        "vllm serve with a timeline of each chat request (TIMELINE=FILE): HTTP, prompt, "
+        "images, engine steps",
+    ),
     "analyze": (
         "benchmarks.profiling.serve_analysis",
         "line a serving result up with a step trace: ITL bursts and their steps",

@@ -110,3 +110,59 @@ def test_serve_trace_records_engine_steps(tmp_path: Path) -> None:
     assert sum(row[16] for row in steps) == 1  # in one chunk
     assert sum(row[14] for row in steps) == 3  # the other three tokens decode, one row each
     assert sum(row[15] for row in steps) == 0  # no image
+
+
+def test_serve_timeline_orders_a_chat_requests_stages(tmp_path: Path) -> None:
+    """``python -m benchmarks.profiling timeline`` on the tiny model: two sequential chat
+    requests (one streamed) each get their stages in order and the steps that ran them."""
+    import signal
+    import socket
+    import time
+
+    import httpx
+
+    timeline = tmp_path / "timeline.json"
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    cmd = [sys.executable, "-m", "benchmarks.profiling", "timeline", "demo/mllama-tiny",
+           "--host", "127.0.0.1", "--port", str(port), "--max-model-len", "256",
+           "--uvicorn-log-level", "warning"]
+    env = {**os.environ, "TIMELINE": str(timeline), "HF_HUB_OFFLINE": "1", "VLLM_API_KEY": ""}
+    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True, env=env)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 120
+        while True:
+            assert proc.poll() is None, proc.stdout.read() if proc.stdout else ""
+            try:
+                if httpx.get(f"{url}/health", timeout=1).status_code == 200:
+                    break
+            except httpx.TransportError:
+                pass
+            assert time.monotonic() < deadline, "server did not come up"
+            time.sleep(0.2)
+        for stream in (False, True):
+            body = {"model": "demo/mllama-tiny", "max_tokens": 3, "stream": stream,
+                    "messages": [{"role": "user", "content": "hello there"}]}
+            r = httpx.post(f"{url}/v1/chat/completions", json=body, timeout=60)
+            assert r.status_code == 200
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+    data = json.loads(timeline.read_text())
+    assert data["overlapped"] == 0 and len(data["requests"]) == 2
+    order = ["body_received", "handler", "prompt", "inputs", "engine_add", "scheduled"]
+    for marks in data["requests"]:
+        names = [m[0] for m in marks]
+        assert [n for n in names if n in order] == order
+        times = [m[1] for m in marks if m[0] in order]
+        assert times == sorted(times) and times[0] >= 0
+        steps = [m for m in marks if m[0] == "step"]
+        assert steps and sum(m[3] for m in steps) >= 1  # the outputs came from these steps
+        assert "first_body" in names
