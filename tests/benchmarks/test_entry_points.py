@@ -116,15 +116,12 @@ def test_serve_timeline_orders_a_chat_requests_stages(tmp_path: Path) -> None:
     """``python -m benchmarks.profiling timeline`` on the tiny model: two sequential chat
     requests (one streamed) each get their stages in order and the steps that ran them."""
     import signal
-    import socket
-    import time
 
     import httpx
+    from helpers.server_process import free_port, wait_healthy
 
     timeline = tmp_path / "timeline.json"
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     cmd = [sys.executable, "-m", "benchmarks.profiling", "timeline", "demo/mllama-tiny",
            "--host", "127.0.0.1", "--port", str(port), "--max-model-len", "256",
            "--uvicorn-log-level", "warning"]
@@ -133,16 +130,7 @@ def test_serve_timeline_orders_a_chat_requests_stages(tmp_path: Path) -> None:
                             text=True, env=env)
     url = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.monotonic() + 120
-        while True:
-            assert proc.poll() is None, proc.stdout.read() if proc.stdout else ""
-            try:
-                if httpx.get(f"{url}/health", timeout=1).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            assert time.monotonic() < deadline, "server did not come up"
-            time.sleep(0.2)
+        wait_healthy(proc, url, timeout=120)
         for stream in (False, True):
             body = {"model": "demo/mllama-tiny", "max_tokens": 3, "stream": stream,
                     "messages": [{"role": "user", "content": "hello there"}]}

@@ -13,7 +13,6 @@ import json
 import os
 import random
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -23,6 +22,7 @@ from typing import Any
 
 import httpx
 import pytest
+from helpers.server_process import free_port, wait_healthy
 from openai_server_utils import (
     RunningServer,
     image_message,
@@ -195,23 +195,7 @@ VLLM = [sys.executable, "-m", "vllm.entrypoints.cli.main"]
 ENV = {**os.environ, "HF_HUB_OFFLINE": "1", "VLLM_API_KEY": ""}
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _wait_healthy(proc: subprocess.Popen[str], url: str, timeout: float = 90) -> None:
-    deadline = time.monotonic() + timeout
-    while True:
-        assert proc.poll() is None, proc.stdout.read() if proc.stdout else ""
-        try:
-            if httpx.get(f"{url}/health", timeout=1).status_code == 200:
-                return
-        except httpx.TransportError:
-            pass
-        assert time.monotonic() < deadline, "server did not come up"
-        time.sleep(0.2)
+_free_port, _wait_healthy = free_port, wait_healthy
 
 
 class _Client(threading.Thread):
