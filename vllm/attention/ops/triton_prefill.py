@@ -100,8 +100,8 @@ def _ranged_cross_kernel(
     nonempty = hi_q > lo_q
     # The union of the tile's non-empty ranges; empty ones must not widen it. A tile with
     # none gets lo = hi = 0: the int32 sentinel must not reach the key arithmetic below, where
-    # lo + offsets wraps negative and passes the `keys < hi` mask (the pipelined loop's first
-    # loads are issued before its trip count is known: an illegal access on the H200).
+    # lo + offsets wraps negative and passes the `keys < hi` mask. (The H200 faulted in this
+    # kernel on such a tile, likely through the pipelined loop's first loads.)
     lo = tl.min(tl.where(nonempty, lo_q, 2147483647), 0)
     hi = tl.max(tl.where(nonempty, hi_q, 0), 0)
     lo = tl.minimum(lo, hi)
