@@ -2,7 +2,7 @@
 context against their floors (11B Instruct shape, dummy bf16 weights, one H200).
 
 The engine is built as ``vllm serve demo/mllama-11b --load-format dummy`` builds it, with no
-other flag (chunked prefill, the 512-token budget, max_model_len 131072), and its start-up
+other flag (chunked prefill, the 2048-token budget, max_model_len 131072), and its start-up
 split (load, vision graphs, profile, decode graphs, warm-up) is recorded. Then, one request at
 a time, greedy:
 
@@ -117,7 +117,7 @@ def decode_ms_per_step(llm: LLM, n_tokens: int, steps: int) -> float:
 
 def no_flag_llm(model: str, smoke: bool) -> LLM:
     """The engine `vllm serve MODEL --load-format dummy` builds: EngineArgs' serving defaults
-    (chunked prefill, the 512-token budget, the model's whole context). The smoke run caps
+    (chunked prefill, the 2048-token budget, the model's whole context). The smoke run caps
     the context and the batch for the CPU."""
     kwargs = dict(max_model_len=4096, max_num_seqs=8, max_num_batched_tokens=64) if smoke else {}
     return LLM(model=model, load_format="dummy", enable_chunked_prefill=True, **kwargs)

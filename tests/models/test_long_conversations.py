@@ -1,7 +1,7 @@
 """Two 100k-token conversations with images through the serving engine (11B shape, dummy bf16
 weights, GPU only): one 4-tile image at the start of the prompt, so that every chunk of the
 rest cross-attends to it; and three 4-tile images spread through it, each chunk seeing the
-group its tokens follow. The engine prefills them in chunks of the serving default's 512-token
+group its tokens follow. The engine prefills them in chunks of the serving default's token
 budget; its prompt logprobs at sampled positions are compared with one whole-prompt prefill of
 the same weights (a second copy drawn from the same seed) under plain torch kernels."""
 
@@ -28,7 +28,7 @@ LENGTH = 100_000
 
 
 def _args(**kw) -> EngineArgs:
-    # The serving defaults (chunked prefill, 512-token budget, the model's whole context),
+    # The serving defaults (chunked prefill, the default token budget, the whole context),
     # with room for a second copy of the weights and the whole-prompt reference.
     return EngineArgs(
         model="demo/mllama-11b",
@@ -114,8 +114,9 @@ def test_long_conversation_chunked_matches_whole_prefill(
         SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=5),
         processed=processed,
     )
+    budget = engine.config.scheduler_config.max_num_batched_tokens
     done = []
-    for _ in range(2 * LENGTH // 512):
+    for _ in range(2 * LENGTH // budget + 8):
         done += [o for o in engine.step() if o.finished]
         if not engine.has_unfinished_requests():
             break
@@ -123,7 +124,11 @@ def test_long_conversation_chunked_matches_whole_prefill(
     got = done[0].prompt_logprobs
     # Positions near each image, at chunk boundaries, and far from any image.
     positions = sorted(
-        {p for base in [*image_at, 2] for p in (base + 1, base + 2, base + 511, base + 513)}
+        {
+            p
+            for base in [*image_at, 2]
+            for p in (base + 1, base + 2, base + budget - 1, base + budget + 1)
+        }
         | {4096, 50_000, 65_535, 99_998, LENGTH - 1}
     )
     positions = [p for p in positions if 0 < p < LENGTH and ids[p] != ids[image_at[0]]]
