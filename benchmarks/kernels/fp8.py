@@ -64,13 +64,15 @@ MODELS = {  # name: {projection: (rows, K)}
 }
 VARIANTS = ("bf16", "fp8", "fp8_best", "scratch", "scaled_mm", "scaled_mm_fast")
 SWEEP_MAX_ROWS = 256  # larger row counts are prefill: the scratch path and cuBLAS
+SWAP_SMEM = 200 << 10  # the swapped kernel's pipeline buffers (4 stages) within shared memory
 
 
 def make_weight(n: int, k: int) -> Fp8Weight:
     """Per-channel FP8 of random normal weights, as quantization at load makes them."""
     w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) * 0.02
     q, s = quantize_fp8(w)
-    return Fp8Weight(q, s.view(-1).float(), torch.bfloat16)
+    counters = fp8_gemm.make_counters(n, SWEEP_MAX_ROWS, w.device)
+    return Fp8Weight(q, s.view(-1).float(), torch.bfloat16, counters)
 
 
 @dataclass
@@ -110,6 +112,15 @@ def sweep(m: int, k: int) -> list[Fp8Config]:
         out += [
             Fp8Config(bm, bn, bk, split_k=sk, num_stages=st)
             for bn, bk, sk, st in itertools.product([16, 32, 64, 128], [128, 256], [1, 2], [3, 4])
+        ]
+    # The swapped tensor-core kernel at every decode size (its row tile 16 and up).
+    for bm in [16 if m <= 16 else (32 if m <= 32 else 64)] + ([128] if m >= 128 else []):
+        out += [
+            Fp8Config(bm, bn, bk, split_k=sk, num_warps=w, num_stages=4, swap=True)
+            for bn, bk, sk, w in itertools.product(
+                [16, 32, 64, 128], [128, 256, 512], [1, 2, 4], [4, 8]
+            )
+            if (w == 8) == (bn == 128) and 4 * (bn * bk + 2 * bk * bm) <= SWAP_SMEM
         ]
     return [c for c in out if c.fits(k)]
 

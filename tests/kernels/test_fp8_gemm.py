@@ -115,6 +115,9 @@ CONFIGS = [
     Fp8Config(1, 64, 128),  # CUDA cores
     Fp8Config(4, 16, 64, split_k=2),  # CUDA cores, K split over two programs
     Fp8Config(16, 16, 64, split_k=4),  # tensor cores, K split
+    Fp8Config(16, 16, 64, swap=True),  # the weight tile as the dot's first operand
+    Fp8Config(16, 32, 64, split_k=2, swap=True),  # and its K split summed in one launch
+    Fp8Config(32, 64, 64, split_k=4, swap=True),
 ]
 
 
@@ -124,7 +127,7 @@ def test_gemm_matches_dequantize_and_matmul(m: int, cfg: Fp8Config) -> None:
     """Rows below, at and above the row block; N (176) not a multiple of the column block."""
     layer, q, s = fp8_layer([80, 48, 48], 256, seed=m)
     x = torch.randn(m, 256, generator=torch.Generator().manual_seed(m)).to(DEVICE, torch.bfloat16)
-    y = fp8_gemm.fp8_gemm(x, layer.fmt.fp8_weight(layer), cfg)
+    y = fp8_gemm.fp8_gemm(x, layer.fmt.fp8_weight(layer, max_rows=32), cfg)
     assert y.dtype == torch.bfloat16 and y.shape == (m, 176)
     # The kernel's own math: exact products, the scale on the float32 sum, one rounding.
     exact = (x.float() @ q.float().T) * s.float()
@@ -145,18 +148,39 @@ def test_fp16_gemm_float32_scales_and_float32_out() -> None:
 
 
 @pytest.mark.parametrize("m", [1, 17])
-@pytest.mark.parametrize("cfg", [CONFIGS[0], CONFIGS[3]], ids=str)
+@pytest.mark.parametrize("cfg", [CONFIGS[0], CONFIGS[3], CONFIGS[6]], ids=str)
 def test_silu_epilogue_equals_gemm_then_silu_and_mul(m: int, cfg: Fp8Config) -> None:
     """gate|up with SiLU-and-multiply in the epilogue: bitwise the GEMM (same config) then
     ``silu_and_mul``; close to the torch reference."""
     layer, q, s = fp8_layer([80, 80], 256, seed=m + 3)
-    fw = layer.fmt.fp8_weight(layer)
+    fw = layer.fmt.fp8_weight(layer, max_rows=32)
     x = torch.randn(m, 256).to(DEVICE, torch.bfloat16)
     y = fp8_gemm.fp8_gemm_silu(x, fw, cfg)
     assert y.shape == (m, 80) and torch.equal(y, silu_and_mul(fp8_gemm.fp8_gemm(x, fw, cfg)))
     exact = (x.float() @ q.float().T) * s  # the kernel's math in float32
     expected = F.silu(exact[:, :80]) * exact[:, 80:]
     torch.testing.assert_close(y.float(), expected, rtol=2**-5, atol=2**-7)
+
+
+def test_swapped_split_sums_in_one_order_and_resets_its_counters() -> None:
+    """The swapped kernel's in-launch K split: the same bits on every call (the last program
+    of a tile adds the partials in split order whichever it is), every counter back at zero
+    after a call, and a clear error for a weight without counters."""
+    layer, q, s = fp8_layer([96], 512, seed=7)
+    fw = layer.fmt.fp8_weight(layer, max_rows=16)
+    x = torch.randn(3, 512).to(DEVICE, torch.bfloat16)
+    cfg = Fp8Config(16, 16, 64, split_k=4, swap=True)
+    first = fp8_gemm.fp8_gemm(x, fw, cfg)
+    assert fw.counters is not None and not fw.counters.any()
+    for _ in range(3):
+        assert torch.equal(fp8_gemm.fp8_gemm(x, fw, cfg), first)
+    assert not fw.counters.any()
+    one = fp8_gemm.fp8_gemm(x, fw, Fp8Config(16, 16, 64, swap=True))
+    torch.testing.assert_close(first.float(), one.float(), rtol=2**-7, atol=1e-3)
+    with pytest.raises(ValueError, match="counters"):
+        fp8_gemm.fp8_gemm(x, layer.fmt.fp8_weight(layer), cfg)
+    with pytest.raises(ValueError, match="16 wide"):
+        fp8_gemm.fp8_gemm(x, fw, Fp8Config(8, 16, 64, swap=True))
 
 
 def test_default_configs() -> None:

@@ -136,6 +136,76 @@ def _fp8_gemm_kernel(x_ptr, w_ptr, s_ptr, y_ptr, p_ptr, M, N, x_stride, y_stride
 
 
 @triton.jit
+def _fp8_swap_kernel(x_ptr, w_ptr, s_ptr, y_ptr, p_ptr, c_ptr, M, N, x_stride, y_stride,
+                     K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                     BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr, DOT_F32: tl.constexpr,
+                     SILU_MUL: tl.constexpr):
+    # Tensor cores with the roles swapped: the converted weight tile [BLOCK_N, BLOCK_K] is the
+    # dot's first operand and x^T [BLOCK_K, BLOCK_M] the second, so a decode step's few rows
+    # fill the dot's narrow side. Grid and K ranges as ``_fp8_gemm_kernel``. With a K split
+    # the programs of a tile store their float32 partial sums, count themselves in on the
+    # tile's counter, and the last to arrive adds all partials in split order (its own read
+    # back too: the same sum whichever program arrives last), applies the epilogue and resets
+    # the counter for the next call.
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    pid_k = tl.program_id(2)
+    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    row_ok = rows < M
+    col_ok = cols < N
+    per_split: tl.constexpr = K // SPLIT_K
+    ks = pid_k * per_split + tl.arange(0, BLOCK_K)
+    xt_ptrs = x_ptr + rows.to(tl.int64)[None, :] * x_stride + ks[:, None]
+    w_ptrs = w_ptr + cols.to(tl.int64)[:, None] * K + ks[None, :]
+    u_ptrs = w_ptr + (cols + N).to(tl.int64)[:, None] * K + ks[None, :]
+    dt = x_ptr.dtype.element_ty
+    acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+    acc_u = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+    for _ in range(0, per_split, BLOCK_K):
+        xt = tl.load(xt_ptrs, mask=row_ok[None, :], other=0.0)
+        w = tl.load(w_ptrs, mask=col_ok[:, None], other=0.0)
+        acc = _dot_swapped(acc, w, xt, dt, DOT_F32)
+        if SILU_MUL:
+            u = tl.load(u_ptrs, mask=col_ok[:, None], other=0.0)
+            acc_u = _dot_swapped(acc_u, u, xt, dt, DOT_F32)
+            u_ptrs += BLOCK_K
+        xt_ptrs += BLOCK_K
+        w_ptrs += BLOCK_K
+    out = tl.trans(acc)
+    out_u = tl.trans(acc_u)
+    if SPLIT_K == 1:
+        _finish(out, out_u, s_ptr, y_ptr, p_ptr, rows, cols, row_ok, col_ok, M, N, y_stride,
+                pid_k, dt, 1, SILU_MUL)
+    else:
+        _finish(out, out_u, s_ptr, y_ptr, p_ptr, rows, cols, row_ok, col_ok, M, N, y_stride,
+                pid_k, dt, SPLIT_K, SILU_MUL)
+        tl.debug_barrier()  # every thread's partial stored before the count is released
+        tile = pid_n * tl.num_programs(0) + pid_m
+        if tl.atomic_add(c_ptr + tile, 1, sem="acq_rel") == SPLIT_K - 1:
+            width = 2 * N if SILU_MUL else N
+            mask = row_ok[:, None] & col_ok[None, :]
+            out = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+            out_u = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+            for s in tl.static_range(SPLIT_K):
+                q = p_ptr + (s * M + rows.to(tl.int64))[:, None] * width + cols[None, :]
+                out += tl.load(q, mask=mask, other=0.0, cache_modifier=".cg")
+                if SILU_MUL:
+                    out_u += tl.load(q + N, mask=mask, other=0.0, cache_modifier=".cg")
+            tl.atomic_xchg(c_ptr + tile, 0)
+            _finish(out, out_u, s_ptr, y_ptr, p_ptr, rows, cols, row_ok, col_ok, M, N,
+                    y_stride, pid_k, dt, 1, SILU_MUL)
+
+
+@triton.jit
+def _dot_swapped(acc, w, xt, dt: tl.constexpr, DOT_F32: tl.constexpr):
+    # acc [BLOCK_N, BLOCK_M] += W tile (FP8, converted exactly) @ x^T.
+    if DOT_F32:  # exact products either way; the interpreter's 16-bit dot is unreliable
+        return tl.dot(w.to(tl.float32), xt.to(tl.float32), acc, input_precision="ieee")
+    return tl.dot(w.to(dt), xt, acc)
+
+
+@triton.jit
 def _split_reduce_kernel(p_ptr, s_ptr, y_ptr, M, N, y_stride, SPLIT_K: tl.constexpr,
                          SILU_MUL: tl.constexpr, BLOCK: tl.constexpr, DT: tl.constexpr):
     # y = epilogue(sum over splits, in split order, of the partial sums).
@@ -183,6 +253,9 @@ class Fp8Weight:
     weight: torch.Tensor  # float8_e4m3fn [N, K]
     scale: torch.Tensor  # float32 [N]
     scale_dtype: torch.dtype  # the dtype the reference rounds weight x scale to
+    # int32 zeros, one per output tile: the swapped kernel's K-split arrival counts (each
+    # tile's last program resets its count). None: that kernel runs without a K split.
+    counters: torch.Tensor | None = None
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -190,13 +263,23 @@ class Fp8Weight:
 
 
 MAX_CUDA_CORE_ROWS = 8  # row tiles up to this many rows multiply on the CUDA cores
+MIN_TILE = 16  # the swapped kernel's smallest row and column tiles (``tl.dot``)
+
+
+def make_counters(n_out: int, max_rows: int, device: torch.device) -> torch.Tensor:
+    """Counters for the swapped kernel's K splits on an ``n_out``-column output of up to
+    ``max_rows`` rows: one per output tile of the smallest tiles."""
+    tiles = triton.cdiv(n_out, MIN_TILE) * triton.cdiv(max(max_rows, 1), MIN_TILE)
+    return torch.zeros(tiles, dtype=torch.int32, device=device)
 
 
 @dataclass(frozen=True)
 class Fp8Config:
     """One launch shape of the GEMM: row, column and K tile, and the K split (programs per
     tile, summed by a second kernel in split order). Row tiles of at most
-    ``MAX_CUDA_CORE_ROWS`` run on the CUDA cores, wider ones (16 and up) on the tensor cores."""
+    ``MAX_CUDA_CORE_ROWS`` run on the CUDA cores, wider ones (16 and up) on the tensor cores.
+    ``swap``: the tensor-core kernel with the weight tile as the dot's first operand (row and
+    column tiles of 16 and up), its K split summed in the same launch."""
 
     block_m: int
     block_n: int
@@ -204,10 +287,11 @@ class Fp8Config:
     split_k: int = 1
     num_warps: int = 4
     num_stages: int = 3
+    swap: bool = False
 
     @property
     def cuda_cores(self) -> bool:
-        return self.block_m <= MAX_CUDA_CORE_ROWS
+        return self.block_m <= MAX_CUDA_CORE_ROWS and not self.swap
 
     def fits(self, k: int) -> bool:
         """Whether K divides into this config's splits and tiles."""
@@ -333,6 +417,8 @@ def _launch(
         raise ValueError(f"K={k} does not divide into {cfg}")
     y = out if out is not None else torch.empty((m, n), dtype=x.dtype, device=x.device)
     assert y.shape == (m, n) and y.stride(1) == 1
+    if cfg.swap:
+        return _launch_swapped(x, fw, n, cfg, y, silu_mul)
     partial = y  # unused without a K split
     if cfg.split_k > 1:
         width = 2 * n if silu_mul else n
@@ -353,6 +439,30 @@ def _launch(
             SPLIT_K=cfg.split_k, SILU_MUL=silu_mul, BLOCK=block, DT=_triton_dtype(x.dtype),
             num_warps=4,
         )  # fmt: skip
+    return y
+
+
+def _launch_swapped(
+    x: torch.Tensor, fw: Fp8Weight, n: int, cfg: Fp8Config, y: torch.Tensor, silu_mul: bool
+) -> torch.Tensor:
+    m, k = x.shape
+    if min(cfg.block_m, cfg.block_n) < MIN_TILE:
+        raise ValueError(f"{cfg}: the swapped kernel's tiles are {MIN_TILE} wide and up")
+    grid = (triton.cdiv(m, cfg.block_m), triton.cdiv(n, cfg.block_n), cfg.split_k)
+    partial = counters = y  # unused without a K split
+    if cfg.split_k > 1:
+        counters = fw.counters
+        if counters is None or counters.numel() < grid[0] * grid[1]:
+            raise ValueError(f"{cfg} on {m} x {n}: the weight has no counters for its tiles")
+        width = 2 * n if silu_mul else n
+        partial = torch.empty((cfg.split_k, m, width), dtype=torch.float32, device=x.device)
+    _fp8_swap_kernel[grid](
+        x, fw.weight, fw.scale, y, partial, counters,
+        m, n, x.stride(0), y.stride(0),
+        K=k, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
+        SPLIT_K=cfg.split_k, DOT_F32=_INTERPRETED or x.dtype == torch.float32,
+        SILU_MUL=silu_mul, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )  # fmt: skip
     return y
 
 

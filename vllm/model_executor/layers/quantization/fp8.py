@@ -218,11 +218,15 @@ class Fp8Format(LinearFormat):
         """The weight [N, K] in ``dtype`` (torch; the reference the kernels are held to)."""
         return dequantize(layer.weight, layer.weight_scale, self.scale_dtype(layer), dtype)
 
-    def fp8_weight(self, layer: Linear) -> Fp8Weight:
-        """The layer's tensors as the Triton kernels take them."""
-        from vllm.model_executor.layers.fp8_gemm import Fp8Weight
+    def fp8_weight(self, layer: Linear, max_rows: int = 0) -> Fp8Weight:
+        """The layer's tensors as the Triton kernels take them; with ``max_rows``, K-split
+        counters for decode inputs of up to that many rows."""
+        from vllm.model_executor.layers.fp8_gemm import Fp8Weight, make_counters
 
-        return Fp8Weight(layer.weight, layer.weight_scale, self.scale_dtype(layer))
+        counters = None
+        if max_rows:
+            counters = make_counters(layer.out_features, max_rows, layer.weight.device)
+        return Fp8Weight(layer.weight, layer.weight_scale, self.scale_dtype(layer), counters)
 
     # ------------------------------------------------------------------ kernels
     def torch_kernel(self, layer: Linear) -> LinearKernel:
@@ -262,9 +266,10 @@ class Fp8Format(LinearFormat):
             return [self.torch_kernel(layer)] * count
         from vllm.model_executor.layers import fp8_gemm
 
-        fw = self.fp8_weight(layer)
+        fused = self._fused_gemm(layer, target)
+        fw = self.fp8_weight(layer, max(target.row_buckets, default=0) if fused else 0)
         any_rows = self._scratch_kernel(layer, fw)
-        if not self._fused_gemm(layer, target):
+        if not fused:
             return [any_rows] * count
         n, k, gpu = layer.out_features, layer.in_features, _device_name(target)
         decode = []
@@ -279,7 +284,7 @@ class Fp8Format(LinearFormat):
             return table
         from vllm.model_executor.layers import fp8_gemm
 
-        fw = self.fp8_weight(layer)
+        fw = self.fp8_weight(layer, max(target.row_buckets, default=0))
         n, k, gpu = layer.out_features // 2, layer.in_features, _device_name(target)
         for i, rows in enumerate(target.row_buckets):
             cfg = fp8_gemm.decode_config(rows, n, k, silu=True, device_name=gpu)
