@@ -38,6 +38,7 @@ import triton.language as tl
 from vllm import envs
 from vllm.model_executor.layers.nf4_gemm import _round_to
 from vllm.model_executor.layers.skinny_gemm import _dot_acc
+from vllm.model_executor.layers.split_k import arrive_last, reset_counter, sum_partials, tile_count
 from vllm.model_executor.layers.tuned_configs import TunedTables
 
 # Triton reads the flag when kernels are defined, so once at import is enough.
@@ -142,11 +143,8 @@ def _fp8_swap_kernel(x_ptr, w_ptr, s_ptr, y_ptr, p_ptr, c_ptr, M, N, x_stride, y
                      SILU_MUL: tl.constexpr):
     # Tensor cores with the roles swapped: the converted weight tile [BLOCK_N, BLOCK_K] is the
     # dot's first operand and x^T [BLOCK_K, BLOCK_M] the second, so a decode step's few rows
-    # fill the dot's narrow side. Grid and K ranges as ``_fp8_gemm_kernel``. With a K split
-    # the programs of a tile store their float32 partial sums, count themselves in on the
-    # tile's counter, and the last to arrive adds all partials in split order (its own read
-    # back too: the same sum whichever program arrives last), applies the epilogue and resets
-    # the counter for the next call.
+    # fill the dot's narrow side. Grid and K ranges as ``_fp8_gemm_kernel``; a K split is
+    # summed in this launch (``split_k.py``).
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     pid_k = tl.program_id(2)
@@ -180,19 +178,15 @@ def _fp8_swap_kernel(x_ptr, w_ptr, s_ptr, y_ptr, p_ptr, c_ptr, M, N, x_stride, y
     else:
         _finish(out, out_u, s_ptr, y_ptr, p_ptr, rows, cols, row_ok, col_ok, M, N, y_stride,
                 pid_k, dt, SPLIT_K, SILU_MUL)
-        tl.debug_barrier()  # every thread's partial stored before the count is released
         tile = pid_n * tl.num_programs(0) + pid_m
-        if tl.atomic_add(c_ptr + tile, 1, sem="acq_rel") == SPLIT_K - 1:
+        if arrive_last(c_ptr, tile, SPLIT_K):
             width = 2 * N if SILU_MUL else N
             mask = row_ok[:, None] & col_ok[None, :]
-            out = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-            out_u = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-            for s in tl.static_range(SPLIT_K):
-                q = p_ptr + (s * M + rows.to(tl.int64))[:, None] * width + cols[None, :]
-                out += tl.load(q, mask=mask, other=0.0, cache_modifier=".cg")
-                if SILU_MUL:
-                    out_u += tl.load(q + N, mask=mask, other=0.0, cache_modifier=".cg")
-            tl.atomic_xchg(c_ptr + tile, 0)
+            out = sum_partials(p_ptr, rows, cols, mask, M, width, BLOCK_M, BLOCK_N, SPLIT_K)
+            if SILU_MUL:
+                out_u = sum_partials(p_ptr + N, rows, cols, mask, M, width, BLOCK_M, BLOCK_N,
+                                     SPLIT_K)
+            reset_counter(c_ptr, tile)
             _finish(out, out_u, s_ptr, y_ptr, p_ptr, rows, cols, row_ok, col_ok, M, N,
                     y_stride, pid_k, dt, 1, SILU_MUL)
 
@@ -269,7 +263,7 @@ MIN_TILE = 16  # the swapped kernel's smallest row and column tiles (``tl.dot``)
 def make_counters(n_out: int, max_rows: int, device: torch.device) -> torch.Tensor:
     """Counters for the swapped kernel's K splits on an ``n_out``-column output of up to
     ``max_rows`` rows: one per output tile of the smallest tiles."""
-    tiles = triton.cdiv(n_out, MIN_TILE) * triton.cdiv(max(max_rows, 1), MIN_TILE)
+    tiles = tile_count(n_out, max_rows, MIN_TILE)
     return torch.zeros(tiles, dtype=torch.int32, device=device)
 
 
