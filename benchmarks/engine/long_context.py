@@ -7,10 +7,12 @@ split (load, vision graphs, profile, decode graphs, warm-up) is recorded. Then, 
 a time, greedy:
 
 - TTFT of a prompt of N tokens (8k, 32k, 64k, 128k; text, and with one 4-tile image first),
-  the median of ``--iters`` after a warm-up one, against its floor: 2 x the text decoder's
-  linear parameters x N at cuBLAS's measured bf16 rate, plus causal self-attention over N
-  at SDPA's measured rate, plus (image case) the vision tower's 2 x parameters x tokens at the
-  same GEMM rate. Limit: 1.3 x the floor.
+  the median of ``--iters`` after a warm-up one, against its floor: 2 x the linear
+  parameters each text token goes through x N at cuBLAS's measured bf16 rate (the self
+  layers; with an image also the cross layers, which a text-only prompt skips), plus causal
+  self-attention over N at SDPA's measured rate, plus (image case) 2 x the parameters the
+  vision tokens go through (vision tower, projector, cross K/V) x their count at the same
+  GEMM rate. Limit: 1.3 x the floor.
 - decode ms/step at bs=1 with N tokens of context (8k, 32k, 128k) against the measured
   short-context step plus the request's KV bytes at the measured read bandwidth. Limit: 1.2x.
 
@@ -83,12 +85,25 @@ def linear_params(module: torch.nn.Module) -> int:
 def ttft_floor_ms(
     model, spec, tokens: int, vision_tokens: int, gemm_rate: float, attention_ms: float
 ) -> float:
-    text = model.language_model.model
-    gemm = 2 * linear_params(text) * tokens
+    """The linears each token goes through at ``gemm_rate`` plus causal self-attention. A
+    text-only prompt skips the cross layers; with an image their K/V projections (and the
+    vision tower, the projector) run on the vision tokens, the rest of them on the text."""
+    layers = model.language_model.model.layers
+    cross = set(spec.text.cross_attention_layers)
+    per_text = per_vision = 0
+    for i, layer in enumerate(layers):
+        if i not in cross:
+            per_text += linear_params(layer)
+        elif vision_tokens:
+            kv = linear_params(layer.cross_attn.kv_proj)
+            per_text += linear_params(layer) - kv
+            per_vision += kv
     if vision_tokens:
-        gemm += 2 * linear_params(model.vision_model) * vision_tokens
-    self_layers = spec.text.num_hidden_layers - len(spec.text.cross_attention_layers)
-    return gemm / gemm_rate * 1e3 + self_layers * attention_ms
+        per_vision += linear_params(model.vision_model) + linear_params(
+            model.multi_modal_projector
+        )
+    gemm = 2 * (per_text * tokens + per_vision * vision_tokens)
+    return gemm / gemm_rate * 1e3 + (len(layers) - len(cross)) * attention_ms
 
 
 def decode_ms_per_step(llm: LLM, n_tokens: int, steps: int) -> float:
