@@ -99,9 +99,7 @@ def ttft_floor_ms(
             per_text += linear_params(layer) - kv
             per_vision += kv
     if vision_tokens:
-        per_vision += linear_params(model.vision_model) + linear_params(
-            model.multi_modal_projector
-        )
+        per_vision += linear_params(model.vision_model) + linear_params(model.multi_modal_projector)
     gemm = 2 * (per_text * tokens + per_vision * vision_tokens)
     return gemm / gemm_rate * 1e3 + (len(layers) - len(cross)) * attention_ms
 
