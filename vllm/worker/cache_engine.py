@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
+from vllm.distributed.parallel_state import get_tp
 from vllm.model_executor.models.mllama import MllamaForConditionalGeneration
 from vllm.transformers_utils.config import MllamaSpec
 from vllm.utils import to_device
@@ -35,8 +36,8 @@ class PageLayout:
         n_self, n_cross = len(t.self_attention_layers), len(t.cross_attention_layers)
         # The cross page fits in a self page's bytes: 4 x block_size tokens for 11B/90B.
         cross_block = max(1, (n_self * block_size) // max(n_cross, 1))
-        return cls(n_self, n_cross, t.num_key_value_heads, t.head_dim, block_size,
-                   cross_block, dtype)
+        kv_heads = get_tp().part(t.num_key_value_heads, "KV heads")  # this rank's heads
+        return cls(n_self, n_cross, kv_heads, t.head_dim, block_size, cross_block, dtype)
 
     def pages_for_tokens(self, n: int) -> int:
         return -(-n // self.block_size)

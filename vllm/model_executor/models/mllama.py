@@ -12,6 +12,7 @@ import torch
 from torch import nn
 
 from vllm.attention.layer import Attention, CrossAttention
+from vllm.distributed.parallel_state import all_gather_last, all_reduce, get_tp
 from vllm.forward_context import get_attention_metadata
 from vllm.model_executor.layers.activation import SiluAndMul
 from vllm.model_executor.layers.layernorm import MaskedGate, RMSNorm
@@ -22,11 +23,18 @@ from vllm.model_executor.models.mllama_vision import MllamaVisionModel
 from vllm.transformers_utils.config import MllamaSpec, TextSpec
 
 
+def _local_heads(spec: TextSpec) -> tuple[int, int, int]:
+    """This rank's query and KV heads, and the head size."""
+    tp = get_tp()
+    return (tp.part(spec.num_attention_heads, "attention heads"),
+            tp.part(spec.num_key_value_heads, "KV heads"), spec.head_dim)
+
+
 class LlamaMLP(nn.Module):
     def __init__(self, spec: TextSpec, quant: QuantizationConfig | None = None,
                  prefix: str = "") -> None:
         super().__init__()
-        i = spec.intermediate_size
+        i = get_tp().part(spec.intermediate_size, "intermediate_size")  # this rank's columns
         gate_up = join(prefix, "gate_up_proj")
         self.gate_up_proj = MergedLinear(spec.hidden_size, [i, i], ["gate", "up"],
                                          fmt=layer_format(quant, gate_up, ("gate", "up")))
@@ -37,15 +45,15 @@ class LlamaMLP(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         fused = self.gate_up_proj.silu_kernel()
         if fused is not None:  # decode sizes: the activation in the GEMM's epilogue
-            return self.down_proj(fused(x))
-        return self.down_proj(self.act(self.gate_up_proj(x)))
+            return all_reduce(self.down_proj(fused(x)))
+        return all_reduce(self.down_proj(self.act(self.gate_up_proj(x))))
 
 
 class LlamaSelfAttention(nn.Module):
     def __init__(self, spec: TextSpec, rotary: RotaryEmbedding,
                  quant: QuantizationConfig | None = None, prefix: str = "") -> None:
         super().__init__()
-        hq, hkv, d = spec.num_attention_heads, spec.num_key_value_heads, spec.head_dim
+        hq, hkv, d = _local_heads(spec)
         qkv = join(prefix, "qkv_proj")
         self.qkv_proj = MergedLinear(spec.hidden_size, [hq * d, hkv * d, hkv * d],
                                      ["q", "k", "v"], fmt=layer_format(quant, qkv, ("q", "k", "v")))
@@ -57,7 +65,7 @@ class LlamaSelfAttention(nn.Module):
     def forward(self, positions: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
         q, k, v = self.qkv_proj.split(self.qkv_proj(x))
         # RoPE is applied by the attention layer: on CUDA fused into its KV-cache write.
-        return self.o_proj(self.attn(q, k, v, positions, self.rotary[0]))
+        return all_reduce(self.o_proj(self.attn(q, k, v, positions, self.rotary[0])))
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -92,7 +100,7 @@ class MllamaCrossAttention(nn.Module):
     def __init__(self, spec: TextSpec, quant: QuantizationConfig | None = None,
                  prefix: str = "") -> None:
         super().__init__()
-        hq, hkv, d = spec.num_attention_heads, spec.num_key_value_heads, spec.head_dim
+        hq, hkv, d = _local_heads(spec)
         self.num_heads, self.num_kv_heads, self.head_dim = hq, hkv, d
         self.q_proj = Linear(spec.hidden_size, hq * d,
                              fmt=layer_format(quant, join(prefix, "q_proj")))
@@ -111,7 +119,7 @@ class MllamaCrossAttention(nn.Module):
         if vision is not None:
             k, v = self.kv_proj.split(self.kv_proj(vision))
             k = self.k_norm(k.reshape(-1, self.num_kv_heads, self.head_dim))
-        return self.o_proj(self.attn(q.reshape(t, -1), k, v))
+        return all_reduce(self.o_proj(self.attn(q.reshape(t, -1), k, v)))
 
 
 class MllamaCrossAttentionDecoderLayer(nn.Module):
@@ -155,7 +163,11 @@ class MllamaTextModel(nn.Module):
                  quant: QuantizationConfig | None = None, prefix: str = "") -> None:
         super().__init__()
         self.spec = spec
-        self.embed_tokens = nn.Embedding(spec.num_embeddings, spec.hidden_size)
+        # Vocabulary-parallel: this rank's rows [start, start + rows) of the table.
+        tp = get_tp()
+        rows = tp.part(spec.num_embeddings, "embedding rows")
+        self.embed_start = tp.rank * rows
+        self.embed_tokens = nn.Embedding(rows, spec.hidden_size)
         self.embed_tokens.weight.requires_grad_(False)
         self.rotary = RotaryEmbedding(spec.head_dim, max_position, spec.rope)
         cross = set(spec.cross_attention_layers)
@@ -166,12 +178,20 @@ class MllamaTextModel(nn.Module):
             for i in range(spec.num_hidden_layers))
         self.norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps)
 
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        if get_tp().size == 1:
+            return self.embed_tokens(input_ids)
+        local = input_ids - self.embed_start
+        mine = (local >= 0) & (local < self.embed_tokens.num_embeddings)
+        x = self.embed_tokens(torch.where(mine, local, 0))
+        return all_reduce(torch.where(mine[:, None], x, 0))
+
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 vision: torch.Tensor | None) -> torch.Tensor:
         md = get_attention_metadata()
         skip_cross = md.skip_cross_attention
         row_mask = None if skip_cross else md.cross_row_mask()
-        x, residual = self.embed_tokens(input_ids), None
+        x, residual = self.embed(input_ids), None
         for layer in self.layers:
             if isinstance(layer, MllamaCrossAttentionDecoderLayer):
                 if skip_cross:
@@ -189,7 +209,7 @@ class MllamaForCausalLM(nn.Module):
                  quant: QuantizationConfig | None = None, prefix: str = "") -> None:
         super().__init__()
         self.model = MllamaTextModel(spec, max_position, quant, join(prefix, "model"))
-        self.lm_head = Linear(spec.hidden_size, spec.vocab_size,
+        self.lm_head = Linear(spec.hidden_size, get_tp().part(spec.vocab_size, "vocabulary"),
                               fmt=layer_format(quant, join(prefix, "lm_head")))
 
 
@@ -233,6 +253,9 @@ class MllamaForConditionalGeneration(nn.Module):
     def compute_logits(self, hidden_states: torch.Tensor,
                        out: torch.Tensor | None = None) -> torch.Tensor:
         """[N, H] -> float32 logits [N, vocab] (written into ``out`` when given)."""
+        if get_tp().size > 1:  # each rank's vocabulary columns, gathered in rank order
+            full = all_gather_last(self.language_model.lm_head(hidden_states).float())
+            return full if out is None else out.copy_(full)
         if out is None:
             return self.language_model.lm_head(hidden_states).float()
         return self.language_model.lm_head(hidden_states, out=out)

@@ -13,6 +13,8 @@ from collections.abc import Iterable
 import torch
 from torch import nn
 
+from vllm.distributed.parallel_state import get_tp
+from vllm.distributed.tensor_parallel import rank_slice
 from vllm.model_executor.layers.linear import MergedLinear, WeightShapeError, default_weight_loader
 
 # transformers-5 in-memory prefix -> hub prefix (order matters: longest first).
@@ -109,6 +111,7 @@ def load_weights(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor, st
     """
     params = dict(model.named_parameters())
     expected = expected_checkpoint_entries(model)
+    tp = get_tp()  # with several ranks each takes its slice (``tensor_parallel.py``)
     loaded: set[tuple[str, str | None]] = set()
     for name, tensor, file in weights:
         param_name, shard = to_param_name(to_hub_name(name))
@@ -117,7 +120,7 @@ def load_weights(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor, st
             raise WeightLoadError(f"{file}: unexpected tensor {name!r} (no matching parameter)")
         loader = getattr(param, "weight_loader", default_weight_loader)
         try:
-            loader(param, tensor, shard)
+            loader(param, rank_slice(param_name, tensor, tp), shard)
         except WeightShapeError as e:
             raise WeightLoadError(f"{file}: tensor {name!r}: {e}") from e
         loaded.add((param_name, shard))

@@ -1,0 +1,45 @@
+"""Which parameters a tensor-parallel rank holds a slice of, and along which dimension.
+
+Megatron-style: the text decoder's q|k|v, gate|up, the cross layers' q and k|v, the embedding
+and the LM head are split along their output rows (column-parallel: heads, MLP columns,
+vocabulary rows), each checkpoint shard of a fused layer on its own; o_proj and down_proj along
+their input columns (row-parallel: every rank's partial output is summed). Norms, the gates,
+the vision tower and the projector are whole on every rank.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from vllm.distributed.parallel_state import TensorParallel
+
+_ROWS = (
+    ".self_attn.qkv_proj.weight",
+    ".mlp.gate_up_proj.weight",
+    ".cross_attn.q_proj.weight",
+    ".cross_attn.kv_proj.weight",
+    ".embed_tokens.weight",
+    ".lm_head.weight",
+)
+_COLUMNS = (".self_attn.o_proj.weight", ".mlp.down_proj.weight", ".cross_attn.o_proj.weight")
+
+
+def split_dim(param_name: str) -> int | None:
+    """The dimension a parameter is split along (0: rows, 1: columns), None if whole."""
+    if not param_name.startswith("language_model."):
+        return None
+    if param_name.endswith(_ROWS):
+        return 0
+    if param_name.endswith(_COLUMNS):
+        return 1
+    return None
+
+
+def rank_slice(param_name: str, tensor: torch.Tensor, tp: TensorParallel) -> torch.Tensor:
+    """This rank's part of a checkpoint tensor (one shard of a fused layer, or a whole
+    parameter) for ``param_name``; the tensor itself with one rank or for whole parameters."""
+    dim = split_dim(param_name)
+    if tp.size == 1 or dim is None:
+        return tensor
+    part = tp.part(tensor.shape[dim], f"{param_name} dimension {dim}")
+    return tensor.narrow(dim, tp.rank * part, part)
