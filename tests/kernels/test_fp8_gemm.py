@@ -184,16 +184,32 @@ def test_swapped_split_sums_in_one_order_and_resets_its_counters() -> None:
 
 
 def test_default_configs() -> None:
-    """The decode buckets up to 8 rows run on the CUDA cores, split over K until the memory
-    system has about a thousand programs; wider buckets on the tensor cores; every default
-    divides the 11B shapes' K."""
-    for m in (1, 2, 4, 8, 16, 64, 256):
-        for n, k in ((6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336)):
+    """Without a tuned table: up to 8 rows the swapped kernel with a K split, up to 16 the
+    tensor-core kernel split in two, up to 64 swapped again; every default divides the 11B
+    and 90B shapes' K and its row tile covers the bucket (up to 64 rows)."""
+    shapes = ((6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336))
+    shapes += ((10240, 8192), (8192, 8192), (57344, 8192), (8192, 28672))  # 90B
+    for m in (1, 2, 4, 8, 16, 24, 64, 256):
+        for n, k in shapes:
             cfg = fp8_gemm.default_config(m, n, k)
-            assert cfg.fits(k) and cfg.block_m >= min(m, 64)
-            assert cfg.cuda_cores == (m <= 8)
+            assert cfg.fits(k) and cfg.block_m >= min(m, 64) and not cfg.cuda_cores
+            assert cfg.swap == (m <= 8 or 16 < m <= 64)
     one = fp8_gemm.default_config(1, 4096, 4096)
-    assert (one.block_m, one.split_k) == (1, 8) and -(-4096 // one.block_n) * one.split_k >= 512
+    assert (one.block_m, one.block_n, one.split_k) == (16, 64, 4)
+    assert fp8_gemm.default_config(16, 4096, 4096).split_k == 2
+    assert fp8_gemm.default_config(64, 4096, 4096).split_k == 4  # 64 tiles: split
+    assert fp8_gemm.default_config(64, 14336, 4096).split_k == 1
+
+
+def test_default_config_runs_without_counters() -> None:
+    """A weight without split counters still runs its default (the split dropped): the same
+    values to rounding as with them."""
+    layer, q, s = fp8_layer([96], 512, seed=3)
+    x = torch.randn(2, 512).to(DEVICE, torch.bfloat16)
+    plain = fp8_gemm.fp8_gemm(x, layer.fmt.fp8_weight(layer))
+    split = fp8_gemm.fp8_gemm(x, layer.fmt.fp8_weight(layer, max_rows=8))
+    torch.testing.assert_close(plain.float(), split.float(), rtol=2**-7, atol=1e-3)
+    assert_close_to_reference(split, x, q, s)
 
 
 def test_tuned_table_entries(tmp_path, monkeypatch) -> None:

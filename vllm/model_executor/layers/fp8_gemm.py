@@ -28,7 +28,7 @@ the scratch path where it measured faster, ``default_config`` the rest.
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
@@ -303,24 +303,31 @@ def _block_k(k: int, preferred: int) -> int:
 
 
 def default_config(m: int, n: int, k: int) -> Fp8Config:
-    """A launch shape for an [m, k] x [n, k]^T product. (A starting point: the configs of the
-    decode buckets are to be tuned on the GPU with ``benchmarks/kernels/fp8.py --sweep``.)"""
+    """A launch shape for an [m, k] x [n, k]^T product where no tuned table has one: the
+    pattern of the H200 sweep's winners on the 11B shapes (``benchmarks/RESULTS.md``). Up to
+    8 rows the swapped kernel, 16-row tiles of 64 weight rows, K split in four; up to 16 rows
+    the tensor-core kernel, 32 weight rows a tile, K split in two; up to 64 rows the swapped
+    kernel with 64 weight rows a tile, K split in four where the tiles are few."""
     if m <= MAX_CUDA_CORE_ROWS:
-        # Per-lane sums: BLOCK_M x BLOCK_N x BLOCK_K float32 registers, 64 a thread at 4 warps.
-        block_m = 1 << (m - 1).bit_length()  # 1, 2, 4 or 8
-        block_n = {1: 64, 2: 32}.get(block_m, 16)
-        block_k = _block_k(k, 64 if block_m == 8 else 128)
-        tiles = -(-n // block_n)
-        split = 1
-        # Enough programs to keep the memory system busy (an H200 has 132 SMs).
-        while tiles * split < 1024 and (k // block_k) % (2 * split) == 0 and split < 8:
-            split *= 2
-        return Fp8Config(block_m, block_n, block_k, split)
-    block_m = 16 if m <= 16 else (32 if m <= 32 else 64)
+        return _fitted(Fp8Config(16, 64, _block_k(k, 128), 4, num_stages=4, swap=True), k)
+    if m <= 16:
+        return _fitted(Fp8Config(16, 32, _block_k(k, 256), 2), k)
+    if m <= 64:
+        split = 4 if triton.cdiv(n, 64) < 128 else 1
+        block_m = 32 if m <= 32 else 64
+        return _fitted(Fp8Config(block_m, 64, _block_k(k, 128), split, num_stages=4, swap=True), k)
+    block_m = 64
     # The widest column block that still gives every SM about two programs streaming weights
     # (o_proj's 4096 rows: 256 blocks of 16).
     block_n = next((b for b in (64, 32) if n // b >= 256), 16)
-    return Fp8Config(block_m, block_n, _block_k(k, 128 if m > 32 else 256))
+    return Fp8Config(block_m, block_n, _block_k(k, 128))
+
+
+def _fitted(cfg: Fp8Config, k: int) -> Fp8Config:
+    """``cfg`` with its K split halved until its tiles divide K."""
+    while cfg.split_k > 1 and not cfg.fits(k):
+        cfg = replace(cfg, split_k=cfg.split_k // 2)
+    return cfg
 
 
 TUNED = TunedTables(Path(__file__).with_name("fp8_configs"), Fp8Config)
@@ -407,6 +414,8 @@ def _launch(
     if x.dim() != 2 or x.shape[1] != k or x.stride(1) != 1:
         raise ValueError(f"input of shape {tuple(x.shape)} for a weight of {fw.shape}")
     cfg = config or default_config(m, n, k)
+    if config is None and cfg.swap and cfg.split_k > 1 and fw.counters is None:
+        cfg = replace(cfg, split_k=1)  # the default on a weight without split counters
     if not cfg.fits(k):
         raise ValueError(f"K={k} does not divide into {cfg}")
     y = out if out is not None else torch.empty((m, n), dtype=x.dtype, device=x.device)
