@@ -45,12 +45,13 @@ def _processed() -> list:
     return out
 
 
-def _run_ranks(size: int, processed: list, tmp_path) -> dict:
+def _run_ranks(size: int, processed: list, tmp_path, paths: list | None = None) -> dict:
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
     init = f"file://{tmp_path / 'rendezvous'}"
+    paths = paths or [demo_path()] * size
     procs = [
-        ctx.Process(target=run_rank, args=(r, size, init, demo_path(), processed, results))
+        ctx.Process(target=run_rank, args=(r, size, init, paths[r], processed, results))
         for r in range(size)
     ]
     for p in procs:
@@ -98,3 +99,12 @@ def test_rank_slices() -> None:
     assert torch.equal(torch.cat([rank_slice(down, w, t) for t in two], dim=1), w)
     with pytest.raises(ValueError, match="does not divide"):
         rank_slice(qkv, w, TensorParallel(0, 3))
+
+
+def test_a_failing_rank_fails_the_other_instead_of_hanging(tmp_path) -> None:
+    """Rank 1 cannot load its checkpoint; rank 0, already waiting in the first collective,
+    gets an error (its peer left the group) rather than waiting forever."""
+    processed = _processed()[:1]
+    got = _run_ranks(2, processed, tmp_path, [demo_path(), tmp_path / "missing"])
+    assert isinstance(got[1], str) and "config.json" in got[1], got[1]
+    assert isinstance(got[0], str), "rank 0 finished without its peer"

@@ -39,7 +39,7 @@ def run_rank(rank: int, size: int, init_method: str, path, processed: list, resu
     """One rank: joins the group, computes, puts (rank, logits or the error text)."""
     torch.set_num_threads(1)
     try:
-        init_tensor_parallel(size, rank, init_method, backend="gloo")
+        init_tensor_parallel(size, rank, init_method, backend="gloo", timeout_s=60)
         # As numpy arrays: pickled by value (a tensor would be shared through a file
         # descriptor that dies with this process).
         results.put((rank, [t.numpy() for t in prefill_logits(path, processed)]))

@@ -11,6 +11,7 @@ its slice of the model: attention and MLP split Megatron-style by heads and colu
 from __future__ import annotations
 
 from dataclasses import dataclass
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
@@ -38,15 +39,23 @@ def get_tp() -> TensorParallel:
 
 
 def init_tensor_parallel(
-    size: int, rank: int, init_method: str, backend: str | None = None
+    size: int, rank: int, init_method: str, backend: str | None = None, timeout_s: float = 300
 ) -> TensorParallel:
     """Joins the process group of ``size`` ranks as ``rank`` (``init_method``: a
-    ``tcp://host:port`` or ``file://`` rendezvous) and makes it this process's group."""
+    ``tcp://host:port`` or ``file://`` rendezvous) and makes it this process's group. A
+    collective that waits longer than ``timeout_s`` for a peer raises instead of hanging (a
+    peer that exited fails it at once)."""
     global _TP
     if size > 1:
         if backend is None:
             backend = "nccl" if torch.cuda.is_available() else "gloo"
-        dist.init_process_group(backend, init_method=init_method, world_size=size, rank=rank)
+        dist.init_process_group(
+            backend,
+            init_method=init_method,
+            world_size=size,
+            rank=rank,
+            timeout=timedelta(seconds=timeout_s),
+        )
     _TP = TensorParallel(rank, size)
     return _TP
 
