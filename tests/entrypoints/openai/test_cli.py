@@ -13,11 +13,11 @@ import signal
 import socket
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import httpx
 import pytest
+from helpers.server_process import free_port, wait_healthy
 
 from vllm.engine.arg_utils import EngineArgs
 from vllm.engine.cli_args import FlexibleArgumentParser
@@ -32,12 +32,6 @@ ENV = {**os.environ, "HF_HUB_OFFLINE": "1", "VLLM_API_KEY": ""}
 
 def _run(cmd: list[str], timeout: float = 90) -> subprocess.CompletedProcess[str]:
     return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=ENV)
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def test_help_and_bad_flag_exit_codes() -> None:
@@ -86,7 +80,7 @@ def test_port_in_use() -> None:
 
 
 def test_vllm_serve_starts_and_stops() -> None:
-    port = _free_port()
+    port = free_port()
     cmd = [
         *VLLM,
         "serve",
@@ -111,16 +105,7 @@ def test_vllm_serve_starts_and_stops() -> None:
         cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=ENV
     )
     try:
-        deadline = time.monotonic() + 90
-        while True:
-            assert proc.poll() is None, proc.stdout.read() if proc.stdout else ""
-            try:
-                if httpx.get(f"http://127.0.0.1:{port}/health", timeout=1).status_code == 200:
-                    break
-            except httpx.TransportError:
-                pass
-            assert time.monotonic() < deadline, "server did not come up"
-            time.sleep(0.2)
+        wait_healthy(proc, f"http://127.0.0.1:{port}")
         models = httpx.get(f"http://127.0.0.1:{port}/v1/models").json()
         assert [m["id"] for m in models["data"]] == ["tiny", "alias"]
         assert models["data"][0]["max_model_len"] == 256
