@@ -84,6 +84,20 @@ def _finish(acc, acc_u, s_ptr, y_ptr, p_ptr, rows, cols, row_ok, col_ok, M, N, y
 
 
 @triton.jit
+def _program_tile(M, N, K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                  BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr):
+    # Program (m, n, s) of either GEMM: its rows and weight rows (columns of y), their masks,
+    # and the first K tile of its split, [s * K / SPLIT_K, ... + BLOCK_K).
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    pid_k = tl.program_id(2)
+    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    ks = pid_k * (K // SPLIT_K) + tl.arange(0, BLOCK_K)
+    return pid_m, pid_n, pid_k, rows, cols, rows < M, cols < N, ks
+
+
+@triton.jit
 def _fp8_gemm_kernel(x_ptr, w_ptr, s_ptr, y_ptr, p_ptr, M, N, x_stride, y_stride,
                      K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                      BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr, CUDA_CORES: tl.constexpr,
@@ -91,15 +105,9 @@ def _fp8_gemm_kernel(x_ptr, w_ptr, s_ptr, y_ptr, p_ptr, M, N, x_stride, y_stride
     # Row blocks vary fastest: the programs converting one weight tile run back to back.
     # Program (m, n, s) sums K range [s * K / SPLIT_K, (s + 1) * K / SPLIT_K) of its tile.
     # SILU_MUL: weight rows [0, N) are gate, [N, 2N) up.
-    pid_m = tl.program_id(0)
-    pid_n = tl.program_id(1)
-    pid_k = tl.program_id(2)
-    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    row_ok = rows < M
-    col_ok = cols < N
+    pid_m, pid_n, pid_k, rows, cols, row_ok, col_ok, ks = _program_tile(
+        M, N, K, BLOCK_M, BLOCK_N, BLOCK_K, SPLIT_K)
     per_split: tl.constexpr = K // SPLIT_K
-    ks = pid_k * per_split + tl.arange(0, BLOCK_K)
     x_ptrs = x_ptr + rows.to(tl.int64)[:, None] * x_stride + ks[None, :]
     w_ptrs = w_ptr + cols.to(tl.int64)[:, None] * K + ks[None, :]
     u_ptrs = w_ptr + (cols + N).to(tl.int64)[:, None] * K + ks[None, :]
@@ -145,15 +153,9 @@ def _fp8_swap_kernel(x_ptr, w_ptr, s_ptr, y_ptr, p_ptr, c_ptr, M, N, x_stride, y
     # dot's first operand and x^T [BLOCK_K, BLOCK_M] the second, so a decode step's few rows
     # fill the dot's narrow side. Grid and K ranges as ``_fp8_gemm_kernel``; a K split is
     # summed in this launch (``split_k.py``).
-    pid_m = tl.program_id(0)
-    pid_n = tl.program_id(1)
-    pid_k = tl.program_id(2)
-    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    row_ok = rows < M
-    col_ok = cols < N
+    pid_m, pid_n, pid_k, rows, cols, row_ok, col_ok, ks = _program_tile(
+        M, N, K, BLOCK_M, BLOCK_N, BLOCK_K, SPLIT_K)
     per_split: tl.constexpr = K // SPLIT_K
-    ks = pid_k * per_split + tl.arange(0, BLOCK_K)
     xt_ptrs = x_ptr + rows.to(tl.int64)[None, :] * x_stride + ks[:, None]
     w_ptrs = w_ptr + cols.to(tl.int64)[:, None] * K + ks[None, :]
     u_ptrs = w_ptr + (cols + N).to(tl.int64)[:, None] * K + ks[None, :]
