@@ -96,7 +96,8 @@ def make_copies(n: int, k: int) -> Copies:
 
 def sweep(m: int, k: int) -> list[Fp8Config]:
     """The candidate configs for ``m`` rows whose tiles divide K: CUDA-core tiles (with K
-    splits) up to 8 rows, tensor-core tiles from 8 rows up; none for prefill sizes."""
+    splits) up to 8 rows, tensor-core tiles from 8 rows up, the swapped tensor-core kernel at
+    every row count; none for prefill sizes."""
     if m > SWEEP_MAX_ROWS:
         return []
     out = []
