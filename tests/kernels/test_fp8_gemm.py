@@ -15,6 +15,8 @@ import json
 import pytest
 import torch
 import torch.nn.functional as F
+import triton
+import triton.language as tl
 
 from vllm.forward_context import set_forward_context
 from vllm.model_executor.layers import fp8_gemm
@@ -160,6 +162,32 @@ def test_silu_epilogue_equals_gemm_then_silu_and_mul(m: int, cfg: Fp8Config) -> 
     exact = (x.float() @ q.float().T) * s  # the kernel's math in float32
     expected = F.silu(exact[:, :80]) * exact[:, 80:]
     torch.testing.assert_close(y.float(), expected, rtol=2**-5, atol=2**-7)
+
+
+@triton.jit
+def _convert_tile(
+    w_ptr, o_ptr, PTX: tl.constexpr, PACK: tl.constexpr, R: tl.constexpr, C: tl.constexpr
+):
+    i = tl.arange(0, R)[:, None] * C + tl.arange(0, C)[None, :]
+    tl.store(o_ptr + i, fp8_gemm._e4m3_to_bf16(tl.load(w_ptr + i), PTX, PACK))
+
+
+@pytest.mark.parametrize("pack", [2, 4])
+def test_e4m3_to_bf16_bit_moves_are_exact_for_every_code(pack: int) -> None:
+    """The kernels' e4m3 -> bf16 conversion (either PTX form when compiled, its Triton form
+    interpreted) equals torch's cast bitwise on every code but the two NaNs (which become
+    +-480), subnormals and both zeros included, wherever a code sits in a tile."""
+    g = torch.Generator().manual_seed(3)
+    codes = torch.cat([torch.arange(256), torch.randint(0, 256, (32 * 128 - 256,), generator=g)])
+    codes = codes[torch.randperm(codes.numel(), generator=g)].to(torch.uint8).view(32, 128)
+    w = codes.view(torch.float8_e4m3fn).to(DEVICE)
+    out = torch.empty(32, 128, dtype=torch.bfloat16, device=DEVICE)
+    _convert_tile[(1,)](w, out, PTX=not fp8_gemm._INTERPRETED, PACK=pack, R=32, C=128)
+    expected = w.to(torch.bfloat16)
+    nan = torch.isnan(expected)
+    assert nan.sum() >= 2
+    assert same_bits(out[~nan], expected[~nan])
+    assert torch.equal(out[nan].abs().float().cpu(), torch.full((int(nan.sum()),), 480.0))
 
 
 def test_swapped_split_sums_in_one_order_and_resets_its_counters() -> None:

@@ -101,7 +101,7 @@ def _program_tile(M, N, K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.cons
 def _fp8_gemm_kernel(x_ptr, w_ptr, s_ptr, y_ptr, p_ptr, M, N, x_stride, y_stride,
                      K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                      BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr, CUDA_CORES: tl.constexpr,
-                     DOT_F32: tl.constexpr, SILU_MUL: tl.constexpr):
+                     DOT_F32: tl.constexpr, SILU_MUL: tl.constexpr, PTX: tl.constexpr):
     # Row blocks vary fastest: the programs converting one weight tile run back to back.
     # Program (m, n, s) sums K range [s * K / SPLIT_K, (s + 1) * K / SPLIT_K) of its tile.
     # SILU_MUL: weight rows [0, N) are gate, [N, 2N) up.
@@ -117,10 +117,10 @@ def _fp8_gemm_kernel(x_ptr, w_ptr, s_ptr, y_ptr, p_ptr, M, N, x_stride, y_stride
         acc3_u = tl.zeros((BLOCK_M, BLOCK_N, BLOCK_K), dtype=tl.float32)
         for _ in range(0, per_split, BLOCK_K):
             x = tl.load(x_ptrs, mask=row_ok[:, None], other=0.0).to(tl.float32)
-            w = tl.load(w_ptrs, mask=col_ok[:, None], other=0.0).to(tl.float32)
+            w = _convert(tl.load(w_ptrs, mask=col_ok[:, None], other=0.0), dt, True, PTX)
             acc3 += x[:, None, :] * w[None, :, :]
             if SILU_MUL:
-                u = tl.load(u_ptrs, mask=col_ok[:, None], other=0.0).to(tl.float32)
+                u = _convert(tl.load(u_ptrs, mask=col_ok[:, None], other=0.0), dt, True, PTX)
                 acc3_u += x[:, None, :] * u[None, :, :]
                 u_ptrs += BLOCK_K
             x_ptrs += BLOCK_K
@@ -133,10 +133,10 @@ def _fp8_gemm_kernel(x_ptr, w_ptr, s_ptr, y_ptr, p_ptr, M, N, x_stride, y_stride
         for _ in range(0, per_split, BLOCK_K):
             x = tl.load(x_ptrs, mask=row_ok[:, None], other=0.0)
             w = tl.load(w_ptrs, mask=col_ok[:, None], other=0.0)
-            acc = _dot_acc(acc, x, w.to(dt), DOT_F32)
+            acc = _dot_acc(acc, x, _convert(w, dt, False, PTX), DOT_F32)
             if SILU_MUL:
                 u = tl.load(u_ptrs, mask=col_ok[:, None], other=0.0)
-                acc_u = _dot_acc(acc_u, x, u.to(dt), DOT_F32)
+                acc_u = _dot_acc(acc_u, x, _convert(u, dt, False, PTX), DOT_F32)
                 u_ptrs += BLOCK_K
             x_ptrs += BLOCK_K
             w_ptrs += BLOCK_K
@@ -148,7 +148,7 @@ def _fp8_gemm_kernel(x_ptr, w_ptr, s_ptr, y_ptr, p_ptr, M, N, x_stride, y_stride
 def _fp8_swap_kernel(x_ptr, w_ptr, s_ptr, y_ptr, p_ptr, c_ptr, M, N, x_stride, y_stride,
                      K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                      BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr, DOT_F32: tl.constexpr,
-                     SILU_MUL: tl.constexpr):
+                     SILU_MUL: tl.constexpr, PTX: tl.constexpr):
     # Tensor cores with the roles swapped: the converted weight tile [BLOCK_N, BLOCK_K] is the
     # dot's first operand and x^T [BLOCK_K, BLOCK_M] the second, so a decode step's few rows
     # fill the dot's narrow side. Grid and K ranges as ``_fp8_gemm_kernel``; a K split is
@@ -165,10 +165,10 @@ def _fp8_swap_kernel(x_ptr, w_ptr, s_ptr, y_ptr, p_ptr, c_ptr, M, N, x_stride, y
     for _ in range(0, per_split, BLOCK_K):
         xt = tl.load(xt_ptrs, mask=row_ok[None, :], other=0.0)
         w = tl.load(w_ptrs, mask=col_ok[:, None], other=0.0)
-        acc = _dot_swapped(acc, w, xt, dt, DOT_F32)
+        acc = _dot_swapped(acc, w, xt, dt, DOT_F32, PTX)
         if SILU_MUL:
             u = tl.load(u_ptrs, mask=col_ok[:, None], other=0.0)
-            acc_u = _dot_swapped(acc_u, u, xt, dt, DOT_F32)
+            acc_u = _dot_swapped(acc_u, u, xt, dt, DOT_F32, PTX)
             u_ptrs += BLOCK_K
         xt_ptrs += BLOCK_K
         w_ptrs += BLOCK_K
@@ -194,11 +194,83 @@ def _fp8_swap_kernel(x_ptr, w_ptr, s_ptr, y_ptr, p_ptr, c_ptr, M, N, x_stride, y
 
 
 @triton.jit
-def _dot_swapped(acc, w, xt, dt: tl.constexpr, DOT_F32: tl.constexpr):
+def _dot_swapped(acc, w, xt, dt: tl.constexpr, DOT_F32: tl.constexpr, PTX: tl.constexpr):
     # acc [BLOCK_N, BLOCK_M] += W tile (FP8, converted exactly) @ x^T.
     if DOT_F32:  # exact products either way; the interpreter's 16-bit dot is unreliable
-        return tl.dot(w.to(tl.float32), xt.to(tl.float32), acc, input_precision="ieee")
-    return tl.dot(w.to(dt), xt, acc)
+        return tl.dot(_convert(w, dt, True, PTX, 2), xt.to(tl.float32), acc,
+                      input_precision="ieee")
+    return tl.dot(_convert(w, dt, False, PTX, 2), xt, acc)
+
+
+# e4m3 -> bf16 by bit moves: each byte b is placed in the high byte of a 16-bit half (prmt),
+# its 7 magnitude bits shifted down 4 and its sign kept in place. The halves are then b's value
+# times 2^-120 as bfloat16 (subnormal codes land on bf16 subnormals, zero on zero), and one
+# packed multiply by 2^120 (an FMA adding -0, which keeps the sign of zero) makes them exact:
+# 2.5 integer and half-precision instructions a value, none on the conversion unit, whose
+# issue rate bounds the generic path (e4m3x2 -> f16x2, then f16 -> bf16 a value) below the
+# memory's in a decode GEMM. The two NaN codes (never in a checkpoint: quantizers saturate)
+# become +-480. Two forms: four values a 32-bit register (tiles loaded 4 bytes a thread) and
+# two (the swapped kernel's dot operand, read 2 bytes at a time).
+_E4M3X4_PTX = tl.constexpr("""{
+.reg .b32 h0, h1, t0, t1, k, z;
+prmt.b32 h0, $2, 0, 0x1404;
+prmt.b32 h1, $2, 0, 0x3424;
+shr.b32 t0, h0, 4;
+shr.b32 t1, h1, 4;
+and.b32 t0, t0, 0x07F007F0;
+and.b32 t1, t1, 0x07F007F0;
+and.b32 h0, h0, 0x80008000;
+and.b32 h1, h1, 0x80008000;
+or.b32 t0, t0, h0;
+or.b32 t1, t1, h1;
+mov.b32 k, 0x7B807B80;
+mov.b32 z, 0x80008000;
+fma.rn.bf16x2 $0, t0, k, z;
+fma.rn.bf16x2 $1, t1, k, z;
+}""")
+_E4M3X2_PTX = tl.constexpr("""{
+.reg .b32 w, h, t, k, z;
+cvt.u32.u16 w, $1;
+prmt.b32 h, w, 0, 0x1404;
+shr.b32 t, h, 4;
+and.b32 t, t, 0x07F007F0;
+and.b32 h, h, 0x80008000;
+or.b32 t, t, h;
+mov.b32 k, 0x7B807B80;
+mov.b32 z, 0x80008000;
+fma.rn.bf16x2 $0, t, k, z;
+}""")
+
+
+@triton.jit
+def _e4m3_to_bf16(w, PTX: tl.constexpr, PACK: tl.constexpr):
+    # float8_e4m3fn -> bfloat16, exact. Compiled, the PTX above (PACK values an instance);
+    # the interpreter makes the same 2^-120-scaled value as a float32 (sign and magnitude
+    # bits moved into its top bits) and multiplies by 2^120 there.
+    u = w.to(tl.uint8, bitcast=True)
+    if PTX and PACK == 4:
+        y = tl.inline_asm_elementwise(_E4M3X4_PTX, "=r,=r,r", [u], dtype=tl.bfloat16,
+                                      is_pure=True, pack=4)
+    elif PTX:
+        y = tl.inline_asm_elementwise(_E4M3X2_PTX, "=r,h", [u], dtype=tl.bfloat16,
+                                      is_pure=True, pack=2)
+    else:
+        v = u.to(tl.uint32)
+        bits = ((v & 0x7F) << 20) | ((v & 0x80) << 24)
+        y = (bits.to(tl.float32, bitcast=True) * 1.329227995784916e36).to(tl.bfloat16)
+    return y
+
+
+@triton.jit
+def _convert(w, dt: tl.constexpr, F32: tl.constexpr, PTX: tl.constexpr, PACK: tl.constexpr = 4):
+    # A loaded FP8 tile as a dot operand: ``dt`` (float32 with F32), exact either way.
+    if dt == tl.bfloat16:
+        y = _e4m3_to_bf16(w, PTX, PACK)
+        if F32:
+            y = y.to(tl.float32)
+    else:
+        y = w.to(tl.float32) if F32 else w.to(dt)
+    return y
 
 
 @triton.jit
@@ -435,7 +507,7 @@ def _launch(
         K=k, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
         SPLIT_K=cfg.split_k, CUDA_CORES=cfg.cuda_cores,
         DOT_F32=_INTERPRETED or x.dtype == torch.float32, SILU_MUL=silu_mul,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        PTX=not _INTERPRETED, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )  # fmt: skip
     if cfg.split_k > 1:
         block = 1024
@@ -466,7 +538,8 @@ def _launch_swapped(
         m, n, x.stride(0), y.stride(0),
         K=k, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
         SPLIT_K=cfg.split_k, DOT_F32=_INTERPRETED or x.dtype == torch.float32,
-        SILU_MUL=silu_mul, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        SILU_MUL=silu_mul, PTX=not _INTERPRETED, num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages,
     )  # fmt: skip
     return y
 
