@@ -74,18 +74,27 @@ def stored_bytes(layer: Linear) -> int:
     return sum(t.numel() * t.element_size() for t in layer.state_dict().values())
 
 
-SWEPT_ROWS = (1, 2, 4, 8)  # up to nf4_gemm.MAX_ROWS
+SWEEP_MAX_ROWS = 256  # larger row counts are prefill: the scratch path and cuBLAS
 
 
 def sweep(m: int, k: int, blocksize: int = 64) -> list[Nf4Config]:
-    """The candidate configs for ``m`` rows (those whose loop divides K); none above the
-    rows the GEMM serves."""
-    if m > nf4_gemm.MAX_ROWS:
+    """The candidate configs for ``m`` rows (those whose loop divides K): CUDA-core tiles up to
+    ``nf4_gemm.MAX_ROWS`` rows, the tensor-core table kernel at every decode size; none for
+    prefill sizes."""
+    if m > SWEEP_MAX_ROWS:
         return []
-    bm = 1 << (m - 1).bit_length()
-    grid = itertools.product([32, 64] if m <= 2 else [16, 32], [1, 2, 4], [1, 2, 4, 8])
-    cands = [Nf4Config(bm, bn, it, sp) for bn, it, sp in grid]
-    cands += [Nf4Config(bm, 32, 2, sp, num_warps=2) for sp in (2, 4, 8)]
+    cands = []
+    if m <= nf4_gemm.MAX_ROWS:
+        bm = 1 << (m - 1).bit_length()
+        grid = itertools.product([32, 64] if m <= 2 else [16, 32], [1, 2, 4], [1, 2, 4, 8])
+        cands += [Nf4Config(bm, bn, it, sp) for bn, it, sp in grid]
+        cands += [Nf4Config(bm, 32, 2, sp, num_warps=2) for sp in (2, 4, 8)]
+    bm = 16 if m <= 16 else (32 if m <= 32 else 64)
+    cands += [
+        Nf4Config(bm, bn, it, sp, num_warps=8 if bn == 128 else 4, table=True)
+        for bn, it, sp in itertools.product([32, 64, 128], [1, 2, 4], [1, 2, 4, 8])
+        if bm * bn <= 4096
+    ]
     return [c for c in cands if c.fits(k, blocksize)]
 
 

@@ -50,16 +50,25 @@ def test_dequantized_tile_is_bitwise_dequantize_4bit(shards, k, qt, bs, nested, 
 
 
 @pytest.mark.parametrize(("shards", "k", "qt", "bs", "nested", "dtype"), CASES)
-@pytest.mark.parametrize("split", [True, False])
-def test_gemm_tile_is_bitwise_dequantize_4bit(shards, k, qt, bs, nested, dtype, split) -> None:
+@pytest.mark.parametrize("kernel", ["split", "whole", "table", "table-split"])
+def test_gemm_tile_is_bitwise_dequantize_4bit(shards, k, qt, bs, nested, dtype, kernel) -> None:
     """The GEMM's own dequantized weights, seen through one-hot inputs (each output is then
-    one exact product, 1 x w): ``dequantize_4bit``'s values bitwise, for every format."""
+    one exact product, 1 x w): ``dequantize_4bit``'s values bitwise, for every format and
+    both kernels (the table kernel's lookups included)."""
     layer, ref = bnb_layer(shards, k, qt, bs, nested, dtype)
     qw = layer.fmt.quantized_weight(layer)
     cols = torch.tensor([0, 1, bs - 1, bs, k // 2 + 1, k - 1])
     x = torch.zeros(len(cols), k, dtype=dtype)
     x[torch.arange(len(cols)), cols] = 1
-    cfg = Nf4Config(4, 32, split_k=2) if split and (k // bs) % 2 == 0 else Nf4Config(8, 16)
+    halved = (k // bs) % 2 == 0
+    if kernel.startswith("table"):
+        if dtype == torch.float32:
+            pytest.skip("the table kernel takes 16-bit inputs")
+        cfg = Nf4Config(16, 16, table=True)
+        if kernel == "table-split" and halved:
+            cfg = Nf4Config(16, 32, split_k=2, table=True)
+    else:
+        cfg = Nf4Config(4, 32, split_k=2) if kernel == "split" and halved else Nf4Config(8, 16)
     y = nf4_gemm.nf4_gemm(x.to(DEVICE), qw, cfg)
     # A sum that starts at +0 cannot end at -0: FP4's negative-zero code (-0.0 on CUDA, as
     # bitsandbytes' kernel gives it) shows as +0 through the products; every other bit holds.
@@ -71,6 +80,8 @@ GEMM_CONFIGS = [
     Nf4Config(2, 64, blocks_per_iter=2, num_stages=2),
     Nf4Config(4, 32, split_k=2, num_stages=2),  # K split, partial sums reduced
     Nf4Config(8, 16, blocks_per_iter=2, split_k=2, num_stages=2),
+    Nf4Config(16, 32, table=True),  # the tensor-core table kernel
+    Nf4Config(16, 16, blocks_per_iter=2, split_k=2, table=True),
 ]
 
 
@@ -106,6 +117,7 @@ def test_fp16_gemm_and_float32_out() -> None:
         (1, Nf4Config(1, 32, num_stages=2)),
         (17, Nf4Config(8, 32, split_k=2, num_stages=2)),
         (3, Nf4Config(4, 32, blocks_per_iter=2, split_k=2, num_stages=2)),
+        (17, Nf4Config(16, 32, split_k=2, table=True)),
     ],
 )
 def test_silu_epilogue_equals_gemm_then_silu_and_mul(m: int, cfg: Nf4Config) -> None:
@@ -182,3 +194,13 @@ def test_graph_replay_equals_eager() -> None:
                 static_y = layer(static_x)
             graph.replay()
         assert torch.equal(static_y, eager)
+
+
+def test_table_kernel_refuses_what_it_cannot_run() -> None:
+    layer, _ = bnb_layer([64], 256)
+    qw = layer.fmt.quantized_weight(layer)
+    with pytest.raises(ValueError, match="16-bit inputs"):
+        nf4_gemm.nf4_gemm(torch.randn(2, 256).to(DEVICE), qw, Nf4Config(16, 16, table=True))
+    with pytest.raises(ValueError, match="16 wide"):
+        x = torch.randn(2, 256).to(DEVICE, torch.bfloat16)
+        nf4_gemm.nf4_gemm(x, qw, Nf4Config(8, 16, table=True))

@@ -266,6 +266,187 @@ def _nf4_gemm_kernel(x_ptr, w_ptr, s_ptr, code_ptr, n2_ptr, nc_ptr, sh_ptr, off_
             tl.store(p_ptrs + N, acc_u, mask=mask)
 
 
+# The 16 dequantized values of one scale block, as four 32-bit words of their low bytes and four
+# of their high bytes (entry 4q + r in byte r of word q), are a lookup table that byte permutes
+# (prmt) index directly: a 16-bit selector of four 4-bit indices picks four bytes out of two
+# words. Per 32-bit word of packed weight (8 values): the indices' low 3 bits select within
+# entries 0-7 and 8-15 of each plane, a second permute takes each byte from one or the other by
+# the index's bit 3 (nibble j of that selector: j, plus 4 where bit 3 is set), and two more
+# interleave the planes into the even (high-nibble) and odd (low-nibble) values. Operands: $0 $1
+# even values, $2 $3 odd, $4 four packed bytes, then each table word four times (once per byte);
+# bytes 0-1 read the table of byte 0 and bytes 2-3 that of byte 2 (a thread's consecutive
+# bytes of one scale block: the kernel's tiles are whole blocks).
+_LUT_PTX = tl.constexpr("""{
+.reg .b32 s, q, a, b, l, h;
+and.b32 s, $4, 0x77777777;
+shr.b32 q, $4, 1;
+and.b32 q, q, 0x44444444;
+or.b32 q, q, 0x32103210;
+prmt.b32 a, $5, $9, s;
+prmt.b32 b, $13, $17, s;
+prmt.b32 l, a, b, q;
+prmt.b32 a, $21, $25, s;
+prmt.b32 b, $29, $33, s;
+prmt.b32 h, a, b, q;
+prmt.b32 $0, l, h, 0x7351;
+prmt.b32 $2, l, h, 0x6240;
+shr.b32 s, s, 16;
+shr.b32 q, q, 16;
+prmt.b32 a, $7, $11, s;
+prmt.b32 b, $15, $19, s;
+prmt.b32 l, a, b, q;
+prmt.b32 a, $23, $27, s;
+prmt.b32 b, $31, $35, s;
+prmt.b32 h, a, b, q;
+prmt.b32 $1, l, h, 0x7351;
+prmt.b32 $3, l, h, 0x6240;
+}""")
+
+# Four output registers, the packed bytes, then 8 table words x 4 elements.
+_LUT_CONSTRAINTS = tl.constexpr("=r,=r,=r,=r," + ",".join(["r"] * 33))
+
+
+@triton.jit
+def _table_word(code_ptr, scale, q: tl.constexpr, dt: tl.constexpr, EXACT_BF16: tl.constexpr):
+    # Word q of the table of blocks with float32 scales ``scale`` ([BLOCK_N, NB]): entries
+    # 4q .. 4q + 3, their low bytes and their high bytes, each [BLOCK_N, NB]. Entry by entry,
+    # so that every step is elementwise on the scales' layout.
+    lo = tl.zeros_like(scale).to(tl.uint32)
+    hi = tl.zeros_like(scale).to(tl.uint32)
+    for r in tl.static_range(4):
+        v = _round_to(tl.load(code_ptr + 4 * q + r) * scale, dt, EXACT_BF16)
+        bits = v.to(tl.uint16, bitcast=True).to(tl.uint32)
+        lo |= (bits & 0xFF) << (8 * r)
+        hi |= (bits >> 8) << (8 * r)
+    return lo, hi
+
+
+@triton.jit
+def _table_value(l0, l1, l2, l3, h0, h1, h2, h3, idx, dt: tl.constexpr):
+    # The interpreter's form of the permutes: entry ``idx`` of the table, as ``dt``.
+    q = idx >> 2
+    sh = ((idx & 3) * 8).to(tl.uint32)
+    lw = tl.where(q == 0, l0, tl.where(q == 1, l1, tl.where(q == 2, l2, l3)))
+    hw = tl.where(q == 0, h0, tl.where(q == 1, h1, tl.where(q == 2, h2, h3)))
+    bits = ((lw >> sh) & 0xFF) | (((hw >> sh) & 0xFF) << 8)
+    return bits.to(tl.uint16).to(dt, bitcast=True)
+
+
+@triton.jit
+def _table_product(acc, x_ptr, x_stride, rows, row_ok, w_ptr, s_ptr, code_ptr, n2_ptr, nc_ptr,
+                   wrows, wrow_ok, start, base, offset, j0,
+                   K: tl.constexpr, BLOCKSIZE: tl.constexpr, NESTED: tl.constexpr,
+                   NB: tl.constexpr, BLOCK_N: tl.constexpr, DOT_F32: tl.constexpr,
+                   EXACT_BF16: tl.constexpr, EXACT_MUL: tl.constexpr, PTX: tl.constexpr):
+    # acc ([BLOCK_M, BLOCK_N]) += x[rows, blocks j0 .. j0 + NB) @ W[wrows, same columns]^T on
+    # the tensor cores, the weight tile looked up in each block's table of its 16 values
+    # (``dequantize_4bit``'s values: code x scale in float32, rounded once). Even elements
+    # (high nibbles) and odd ones (low nibbles) are two dots against the matching columns of
+    # x, split from one contiguous load.
+    HALF: tl.constexpr = BLOCKSIZE // 2
+    kb: tl.constexpr = K // BLOCKSIZE
+    dt = x_ptr.dtype.element_ty
+    j = j0 + tl.arange(0, NB)
+    wr = wrows.to(tl.int64)
+    sidx = wr[:, None] * kb + j[None, :]
+    if NESTED:
+        u = tl.load(s_ptr + sidx, mask=wrow_ok[:, None], other=0).to(tl.int32)
+        group = base.to(tl.int64)[:, None] + ((wrows - start).to(tl.int64)[:, None] * kb
+                                              + j[None, :]) // 256
+        second = tl.load(n2_ptr + group, mask=wrow_ok[:, None], other=0.0)
+        scale = _mul_rn(tl.load(nc_ptr + u), second, EXACT_MUL) + offset[:, None]
+    else:
+        scale = tl.load(s_ptr + sidx, mask=wrow_ok[:, None], other=0.0).to(tl.float32)
+    l0, h0 = _table_word(code_ptr, scale, 0, dt, EXACT_BF16)
+    l1, h1 = _table_word(code_ptr, scale, 1, dt, EXACT_BF16)
+    l2, h2 = _table_word(code_ptr, scale, 2, dt, EXACT_BF16)
+    l3, h3 = _table_word(code_ptr, scale, 3, dt, EXACT_BF16)
+    half = tl.arange(0, HALF)
+    b = tl.load(w_ptr + wr[:, None, None] * (K // 2) + (j * HALF)[None, :, None]
+                + half[None, None, :], mask=wrow_ok[:, None, None], other=0)
+    if PTX:
+        even, odd = tl.inline_asm_elementwise(
+            _LUT_PTX, _LUT_CONSTRAINTS,
+            [b, l0[:, :, None], l1[:, :, None], l2[:, :, None], l3[:, :, None],
+             h0[:, :, None], h1[:, :, None], h2[:, :, None], h3[:, :, None]],
+            dtype=(dt, dt), is_pure=True, pack=4)
+    else:
+        bi = b.to(tl.int32)
+        l0, l1, l2, l3 = l0[:, :, None], l1[:, :, None], l2[:, :, None], l3[:, :, None]
+        h0, h1, h2, h3 = h0[:, :, None], h1[:, :, None], h2[:, :, None], h3[:, :, None]
+        even = _table_value(l0, l1, l2, l3, h0, h1, h2, h3, bi >> 4, dt)
+        odd = _table_value(l0, l1, l2, l3, h0, h1, h2, h3, bi & 15, dt)
+    TK: tl.constexpr = NB * HALF
+    even = tl.reshape(even, (BLOCK_N, TK))
+    odd = tl.reshape(odd, (BLOCK_N, TK))
+    t = tl.arange(0, 2 * TK)
+    x_ptrs = x_ptr + rows.to(tl.int64)[:, None] * x_stride + (j0 * BLOCKSIZE + t)[None, :]
+    xe, xo = tl.split(tl.reshape(tl.load(x_ptrs, mask=row_ok[:, None], other=0.0),
+                                 (x_ptrs.shape[0], TK, 2)))
+    if DOT_F32:  # exact products either way; the interpreter's 16-bit dot is unreliable
+        acc = tl.dot(xe.to(tl.float32), tl.trans(even.to(tl.float32)), acc, input_precision="ieee")
+        acc = tl.dot(xo.to(tl.float32), tl.trans(odd.to(tl.float32)), acc, input_precision="ieee")
+    else:
+        acc = tl.dot(xe, tl.trans(even), acc)
+        acc = tl.dot(xo, tl.trans(odd), acc)
+    return acc
+
+
+@triton.jit
+def _nf4_table_kernel(x_ptr, w_ptr, s_ptr, code_ptr, n2_ptr, nc_ptr, sh_ptr, off_ptr, y_ptr,
+                      p_ptr, M, N, x_stride, y_stride,
+                      K: tl.constexpr, BLOCKSIZE: tl.constexpr, NESTED: tl.constexpr,
+                      NUM_SHARDS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                      BLOCKS_PER_ITER: tl.constexpr, SPLIT_K: tl.constexpr,
+                      DOT_F32: tl.constexpr, EXACT_BF16: tl.constexpr, EXACT_MUL: tl.constexpr,
+                      SILU_MUL: tl.constexpr, PTX: tl.constexpr):
+    # The tensor-core GEMM on table lookups (``_table_product``); a decode step's few rows are
+    # padded to the dot's 16. Grid, K split and partial sums as ``_nf4_gemm_kernel``.
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    pid_k = tl.program_id(2)
+    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    row_ok = rows < M
+    col_ok = cols < N
+    start = tl.zeros_like(cols)
+    base = tl.zeros_like(cols)
+    offset = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    start_u = start
+    base_u = base
+    offset_u = offset
+    if NESTED:
+        start, base, offset = _shard_of(sh_ptr, off_ptr, cols, NUM_SHARDS)
+        if SILU_MUL:
+            start_u, base_u, offset_u = _shard_of(sh_ptr, off_ptr, cols + N, NUM_SHARDS)
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    acc_u = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    per_split: tl.constexpr = K // BLOCKSIZE // SPLIT_K
+    for jj in range(0, per_split, BLOCKS_PER_ITER):
+        j0 = pid_k * per_split + jj
+        acc = _table_product(acc, x_ptr, x_stride, rows, row_ok, w_ptr, s_ptr, code_ptr,
+                             n2_ptr, nc_ptr, cols, col_ok, start, base, offset, j0,
+                             K, BLOCKSIZE, NESTED, BLOCKS_PER_ITER, BLOCK_N, DOT_F32,
+                             EXACT_BF16, EXACT_MUL, PTX)
+        if SILU_MUL:
+            acc_u = _table_product(acc_u, x_ptr, x_stride, rows, row_ok, w_ptr, s_ptr,
+                                   code_ptr, n2_ptr, nc_ptr, cols + N, col_ok, start_u, base_u,
+                                   offset_u, j0, K, BLOCKSIZE, NESTED, BLOCKS_PER_ITER,
+                                   BLOCK_N, DOT_F32, EXACT_BF16, EXACT_MUL, PTX)
+    out = acc
+    out_u = acc_u
+    mask = row_ok[:, None] & col_ok[None, :]
+    if SPLIT_K == 1:
+        y = _epilogue(out, out_u, x_ptr.dtype.element_ty, y_ptr.dtype.element_ty, SILU_MUL)
+        tl.store(y_ptr + rows.to(tl.int64)[:, None] * y_stride + cols[None, :], y, mask=mask)
+    else:
+        width = 2 * N if SILU_MUL else N
+        p_ptrs = p_ptr + (pid_k * M + rows.to(tl.int64))[:, None] * width + cols[None, :]
+        tl.store(p_ptrs, out, mask=mask)
+        if SILU_MUL:
+            tl.store(p_ptrs + N, out_u, mask=mask)
+
+
 @triton.jit
 def _split_reduce_kernel(p_ptr, y_ptr, M, N, y_stride, SPLIT_K: tl.constexpr,
                          SILU_MUL: tl.constexpr, BLOCK: tl.constexpr, DT: tl.constexpr):
@@ -313,10 +494,16 @@ class Nf4Config:
     split_k: int = 1
     num_warps: int = 4
     num_stages: int = 3
+    table: bool = False  # the tensor-core kernel on per-block lookup tables (16-bit inputs)
 
     def fits(self, k: int, blocksize: int) -> bool:
         """Whether K (in blocks of ``blocksize``) divides into this config's loop."""
         return k % blocksize == 0 and (k // blocksize) % (self.split_k * self.blocks_per_iter) == 0
+
+    def serves(self, m: int) -> bool:
+        """Whether a launch of ``m`` rows may use this config: the CUDA-core kernel holds at
+        most ``MAX_ROWS`` rows a tile, the table kernel any number."""
+        return self.table or self.block_m <= MAX_ROWS
 
 
 MAX_ROWS = 8  # the GEMM's row tile holds BLOCK_M x BLOCK_N x blocksize / 2 float32 sums
@@ -353,7 +540,7 @@ def decode_config(
     tuned table's entry for this GPU and shape (that of the smallest tuned row count >= m)
     where there is one, else ``heuristic_config``."""
     found, cfg = TUNED.lookup(device_name, table_key(n, k, blocksize, silu), m)
-    if found and (cfg is None or (cfg.fits(k, blocksize) and cfg.block_m <= MAX_ROWS)):
+    if found and (cfg is None or (cfg.fits(k, blocksize) and cfg.serves(m))):
         return cfg
     return heuristic_config(m, n, k, blocksize)
 
@@ -459,17 +646,20 @@ def _launch(
     if cfg.split_k > 1:
         width = 2 * n if silu_mul else n
         partial = torch.empty((cfg.split_k, m, width), dtype=torch.float32, device=x.device)
-    if cfg.block_m > MAX_ROWS:
+    if not cfg.serves(m):
         raise ValueError(f"{cfg}: at most {MAX_ROWS} rows a tile")
     grid = (triton.cdiv(m, cfg.block_m), triton.cdiv(n, cfg.block_n), cfg.split_k)
-    _nf4_gemm_kernel[grid](
-        x, *_pointers(qw), y, partial,
-        m, n, x.stride(0), y.stride(0),
-        K=k, BLOCKSIZE=qw.blocksize, NESTED=qw.nested, NUM_SHARDS=_num_shards(qw),
-        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCKS_PER_ITER=cfg.blocks_per_iter,
-        SPLIT_K=cfg.split_k, EXACT_BF16=_INTERPRETED, EXACT_MUL=not _INTERPRETED,
-        SILU_MUL=silu_mul, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-    )  # fmt: skip
+    if cfg.table:
+        _launch_table(x, qw, cfg, grid, y, partial, n, silu_mul)
+    else:
+        _nf4_gemm_kernel[grid](
+            x, *_pointers(qw), y, partial,
+            m, n, x.stride(0), y.stride(0),
+            K=k, BLOCKSIZE=qw.blocksize, NESTED=qw.nested, NUM_SHARDS=_num_shards(qw),
+            BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCKS_PER_ITER=cfg.blocks_per_iter,
+            SPLIT_K=cfg.split_k, EXACT_BF16=_INTERPRETED, EXACT_MUL=not _INTERPRETED,
+            SILU_MUL=silu_mul, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        )  # fmt: skip
     if cfg.split_k > 1:
         block = 1024
         _split_reduce_kernel[(triton.cdiv(m * n, block),)](
@@ -478,6 +668,31 @@ def _launch(
             DT=_TL_DTYPES[x.dtype], num_warps=4,
         )  # fmt: skip
     return y
+
+
+def _launch_table(
+    x: torch.Tensor,
+    qw: QuantizedWeight,
+    cfg: Nf4Config,
+    grid: tuple[int, int, int],
+    y: torch.Tensor,
+    partial: torch.Tensor,
+    n: int,
+    silu_mul: bool,
+) -> None:
+    if x.dtype not in (torch.bfloat16, torch.float16):
+        raise ValueError(f"{cfg}: the table kernel takes 16-bit inputs, not {x.dtype}")
+    if min(cfg.block_m, cfg.block_n, cfg.blocks_per_iter * qw.blocksize // 2) < 16:
+        raise ValueError(f"{cfg}: the table kernel's tiles are 16 wide and up (tl.dot)")
+    _nf4_table_kernel[grid](
+        x, *_pointers(qw), y, partial,
+        x.shape[0], n, x.stride(0), y.stride(0),
+        K=qw.shape[1], BLOCKSIZE=qw.blocksize, NESTED=qw.nested, NUM_SHARDS=_num_shards(qw),
+        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCKS_PER_ITER=cfg.blocks_per_iter,
+        SPLIT_K=cfg.split_k, DOT_F32=_INTERPRETED, EXACT_BF16=_INTERPRETED,
+        EXACT_MUL=not _INTERPRETED, SILU_MUL=silu_mul, PTX=not _INTERPRETED,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )  # fmt: skip
 
 
 def linear_kernel(qw: QuantizedWeight, config: Nf4Config) -> Callable[..., torch.Tensor]:
