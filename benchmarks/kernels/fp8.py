@@ -96,8 +96,9 @@ def make_copies(n: int, k: int) -> Copies:
 
 def sweep(m: int, k: int) -> list[Fp8Config]:
     """The candidate configs for ``m`` rows whose tiles divide K: CUDA-core tiles (with K
-    splits) up to 8 rows, tensor-core tiles from 8 rows up, the swapped tensor-core kernel at
-    every row count; none for prefill sizes."""
+    splits) up to 8 rows, tensor-core tiles (a 16-row tile serves fewer rows with the same
+    weight reads) and the swapped tensor-core kernel at every row count; none for prefill
+    sizes."""
     if m > SWEEP_MAX_ROWS:
         return []
     out = []
@@ -108,12 +109,11 @@ def sweep(m: int, k: int) -> list[Fp8Config]:
             for bn, bk, sk, w in itertools.product([16, 32, 64], [64, 128], [1, 2, 4, 8], [2, 4])
             if bm * bn * bk <= 8192 * w // 4
         ]
-    if m >= 8:
-        bm = 16 if m <= 16 else (32 if m <= 32 else 64)
-        out += [
-            Fp8Config(bm, bn, bk, split_k=sk, num_stages=st)
-            for bn, bk, sk, st in itertools.product([16, 32, 64, 128], [128, 256], [1, 2], [3, 4])
-        ]
+    bm = 16 if m <= 16 else (32 if m <= 32 else 64)
+    out += [
+        Fp8Config(bm, bn, bk, split_k=sk, num_stages=st)
+        for bn, bk, sk, st in itertools.product([16, 32, 64, 128], [128, 256], [1, 2], [3, 4])
+    ]
     # The swapped tensor-core kernel at every decode size (its row tile 16 and up).
     for bm in [16 if m <= 16 else (32 if m <= 32 else 64)] + ([128] if m >= 128 else []):
         out += [

@@ -147,16 +147,17 @@ BUCKETS = (1, 4, 24)
 
 
 def test_kernel_tables_and_their_results() -> None:
-    """Small decode buckets run the 4-bit GEMM (untuned shapes: up to 4 rows), larger ones
-    and any other row count dequantize into the shared scratch and run F.linear (bitwise the
-    torch path); biased layers (the vision tower's, the projector: they see prefill-sized
-    inputs only) take the scratch path everywhere; float32 layers the GEMM; torch targets the
-    torch path. gate|up gets the SiLU epilogue where the GEMM runs."""
+    """16-bit layers run the 4-bit GEMM (the table kernel, untuned shapes) at every decode
+    bucket, and any other row count dequantizes into the shared scratch and runs F.linear
+    (bitwise the torch path); biased layers (the vision tower's, the projector: they see
+    prefill-sized inputs only) take the scratch path everywhere; float32 layers the CUDA-core
+    GEMM up to 4 rows; torch targets the torch path. gate|up gets the SiLU epilogue where the
+    GEMM runs."""
     layer, _ = bnb_layer([80, 80], 256)
     fused = KernelTarget(torch.device(DEVICE), fused=True, row_buckets=BUCKETS)
     layer.select_kernels(fused)
-    assert _kinds(layer._kernels) == ["nf4"] * 2 + ["scratch"] * 2
-    assert _kinds(layer._silu_kernels) == ["nf4"] * 2 + ["none"] * 2
+    assert _kinds(layer._kernels) == ["nf4"] * 3 + ["scratch"]
+    assert _kinds(layer._silu_kernels) == ["nf4"] * 3 + ["none"]
     torch_path = layer.fmt.torch_kernel(layer)
     for bucket, rows in enumerate(BUCKETS):
         x = torch.randn(rows, 256).to(DEVICE, torch.bfloat16)
@@ -204,3 +205,23 @@ def test_table_kernel_refuses_what_it_cannot_run() -> None:
     with pytest.raises(ValueError, match="16 wide"):
         x = torch.randn(2, 256).to(DEVICE, torch.bfloat16)
         nf4_gemm.nf4_gemm(x, qw, Nf4Config(8, 16, table=True))
+
+
+def test_heuristic_configs() -> None:
+    """Untuned shapes: 16-bit inputs get the table kernel at every decode size (tiles that
+    divide K, the split larger where column tiles are few); float32 the CUDA-core kernel up
+    to 4 rows, the scratch path above."""
+    for m in (1, 4, 16, 17, 64, 256):
+        for n, k, bs in ((6144, 4096, 64), (4096, 14336, 64), (4096, 4096, 64), (96, 384, 128)):
+            cfg = nf4_gemm.heuristic_config(m, n, k, bs)
+            assert cfg is not None and cfg.table and cfg.fits(k, bs) and cfg.serves(m)
+            assert cfg.block_m == (16 if m <= 16 else 64)
+    assert nf4_gemm.heuristic_config(1, 4096, 4096).split_k == 8
+    assert nf4_gemm.heuristic_config(1, 6144, 4096).split_k == 4
+    assert nf4_gemm.heuristic_config(1, 96, 384, 128).split_k == 1  # 3 blocks: no split fits
+    f32 = nf4_gemm.heuristic_config(4, 4096, 4096, dtype=torch.float32)
+    assert f32 is not None and not f32.table and f32.block_m == 4
+    assert nf4_gemm.heuristic_config(5, 4096, 4096, dtype=torch.float32) is None
+    assert nf4_gemm.decode_config(
+        1, 96, 384, 128, dtype=torch.float32
+    ) == nf4_gemm.heuristic_config(1, 96, 384, 128, dtype=torch.float32)

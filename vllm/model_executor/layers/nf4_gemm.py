@@ -12,8 +12,16 @@ time reading and decoding the weight. The block's even elements (high nibbles) a
 never interleaved; products are summed per lane and reduced once after the K loop. Where the
 output tiles are too few to keep the memory system busy, K is split over programs whose
 float32 partial sums a second kernel adds in split order: a fixed reduction order per config,
-as the graph contract needs. More rows than ``MAX_ROWS`` (and any row count the tuned table
-gives to it) take the scratch path: the whole matrix dequantized, then a library GEMM.
+as the graph contract needs.
+
+The table kernel (``Nf4Config.table``, 16-bit activations, any row count) runs on the tensor
+cores instead: per scale block it computes the block's 16 possible values (the same products
+and rounding) and packs them into eight 32-bit words of byte planes, which byte permutes
+(``prmt``) index with the packed nibbles directly, eight values per 22 integer instructions
+and no memory gathers (``_LUT_PTX``); the looked-up tile meets x in ``tl.dot``. It is what
+16-bit inputs run at every decode size unless the tuned table says otherwise. Row counts
+without a GEMM config (and any the tuned table gives to it) take the scratch path: the whole
+matrix dequantized, then a library GEMM.
 
 A fused layer (q|k|v, gate|up) is one matrix: its shards' rows are stacked, each shard keeping
 its own second-level scales and offset; ``shard_index`` ([S, 2]: first row, first second-level
@@ -29,7 +37,7 @@ on it); the decode GEMM is chosen per row bucket at load (``quantization/bitsand
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
@@ -509,15 +517,31 @@ class Nf4Config:
 MAX_ROWS = 8  # the GEMM's row tile holds BLOCK_M x BLOCK_N x blocksize / 2 float32 sums
 
 
-def heuristic_config(m: int, n: int, k: int, blocksize: int = 64) -> Nf4Config | None:
+def heuristic_config(
+    m: int, n: int, k: int, blocksize: int = 64, dtype: torch.dtype = torch.bfloat16
+) -> Nf4Config | None:
     """The launch shape for ``m`` rows without a tuned entry, or None: dequantize into the
-    scratch matrix and run the library GEMM (more rows than the GEMM serves well)."""
+    scratch matrix and run the library GEMM. 16-bit inputs take the table kernel at every
+    decode size, as the H200 sweep of the 11B shapes chose it (``benchmarks/RESULTS.md``):
+    16-row tiles of two scale blocks a step up to 16 rows, 64-row tiles of one above, 64
+    weight rows a tile, K split in eight where the column tiles are few (64 and under),
+    else in four. float32 inputs take the CUDA-core kernel up to 4 rows."""
+    blocks = k // blocksize
+    if dtype in (torch.bfloat16, torch.float16):
+        small = m <= 16
+        split = 8 if -(-n // 64) <= 64 else 4
+        per_iter = 2 if small and blocksize <= 64 else 1
+        cfg = Nf4Config(16 if small else 64, 64, per_iter, split, table=True)
+        while not cfg.fits(k, blocksize) and cfg.split_k > 1:
+            cfg = replace(cfg, split_k=cfg.split_k // 2)
+        if not cfg.fits(k, blocksize):
+            cfg = replace(cfg, blocks_per_iter=1)
+        return cfg if cfg.fits(k, blocksize) else None
     if m > 4:
         return None
     block_m = 1 << (m - 1).bit_length()  # 1, 2 or 4
     block_n = 64 if m == 1 else 32
     tiles = -(-n // block_n)
-    blocks = k // blocksize
     per_iter = 2 if blocks % 2 == 0 else 1
     split = 1
     while tiles * split < 1024 and blocks % (2 * split * per_iter) == 0 and split < 8:
@@ -534,15 +558,26 @@ def table_key(n: int, k: int, blocksize: int, silu: bool) -> str:
 
 
 def decode_config(
-    m: int, n: int, k: int, blocksize: int = 64, silu: bool = False, device_name: str = ""
+    m: int,
+    n: int,
+    k: int,
+    blocksize: int = 64,
+    silu: bool = False,
+    device_name: str = "",
+    dtype: torch.dtype = torch.bfloat16,
 ) -> Nf4Config | None:
-    """What ``m`` rows run: the GEMM with this config, or None for the scratch path. The
-    tuned table's entry for this GPU and shape (that of the smallest tuned row count >= m)
-    where there is one, else ``heuristic_config``."""
+    """What ``m`` rows of ``dtype`` run: the GEMM with this config, or None for the scratch
+    path. The tuned table's entry for this GPU and shape (that of the smallest tuned row
+    count >= m) where there is one it can run, else ``heuristic_config``."""
     found, cfg = TUNED.lookup(device_name, table_key(n, k, blocksize, silu), m)
-    if found and (cfg is None or (cfg.fits(k, blocksize) and cfg.serves(m))):
+    runs = cfg is None or (
+        cfg.fits(k, blocksize)
+        and cfg.serves(m)
+        and (not cfg.table or dtype in (torch.bfloat16, torch.float16))
+    )
+    if found and runs:
         return cfg
-    return heuristic_config(m, n, k, blocksize)
+    return heuristic_config(m, n, k, blocksize, dtype)
 
 
 def _block_k(k: int, preferred: int = 128) -> int:
@@ -636,7 +671,7 @@ def _launch(
     k = qw.shape[1]
     if x.dim() != 2 or x.shape[1] != k or x.stride(1) != 1:
         raise ValueError(f"input of shape {tuple(x.shape)} for a weight of {qw.shape}")
-    cfg = config or heuristic_config(min(m, 4), n, k, qw.blocksize)
+    cfg = config or heuristic_config(min(m, 4), n, k, qw.blocksize, x.dtype)
     assert cfg is not None
     if not cfg.fits(k, qw.blocksize):
         raise ValueError(f"K={k} in blocks of {qw.blocksize} does not divide into {cfg}")

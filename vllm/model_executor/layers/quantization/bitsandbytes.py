@@ -301,9 +301,10 @@ class Bnb4bitFormat(LinearFormat):
         if not self._fused_gemm(layer, target):
             return [any_rows] * count
         n, k, gpu = layer.out_features, layer.in_features, _device_name(target)
+        dt = self.compute_dtype(layer)
         decode = []
         for rows in target.row_buckets:
-            cfg = nf4_gemm.decode_config(rows, n, k, qw.blocksize, device_name=gpu)
+            cfg = nf4_gemm.decode_config(rows, n, k, qw.blocksize, device_name=gpu, dtype=dt)
             decode.append(any_rows if cfg is None else nf4_gemm.linear_kernel(qw, cfg))
         return [*decode, any_rows]
 
@@ -315,8 +316,11 @@ class Bnb4bitFormat(LinearFormat):
 
         qw = self.quantized_weight(layer)
         n, k, gpu = layer.out_features // 2, layer.in_features, _device_name(target)
+        dt = self.compute_dtype(layer)
         for i, rows in enumerate(target.row_buckets):
-            cfg = nf4_gemm.decode_config(rows, n, k, qw.blocksize, silu=True, device_name=gpu)
+            cfg = nf4_gemm.decode_config(
+                rows, n, k, qw.blocksize, silu=True, device_name=gpu, dtype=dt
+            )
             table[i] = None if cfg is None else nf4_gemm.silu_kernel(qw, cfg)
         return table
 
