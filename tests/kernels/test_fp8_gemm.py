@@ -212,19 +212,19 @@ def test_swapped_split_sums_in_one_order_and_resets_its_counters() -> None:
 
 
 def test_default_configs() -> None:
-    """Without a tuned table: up to 8 rows the swapped kernel with a K split, up to 16 the
-    tensor-core kernel split in two, up to 64 swapped again; every default divides the 11B
-    and 90B shapes' K and its row tile covers the bucket (up to 64 rows)."""
+    """Without a tuned table: up to 16 rows the tensor-core kernel with a 16-row tile (no K
+    split for wide outputs, two otherwise), up to 64 the swapped kernel; every default divides
+    the 11B and 90B shapes' K and its row tile covers the bucket (up to 64 rows)."""
     shapes = ((6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336))
     shapes += ((10240, 8192), (8192, 8192), (57344, 8192), (8192, 28672))  # 90B
     for m in (1, 2, 4, 8, 16, 24, 64, 256):
         for n, k in shapes:
             cfg = fp8_gemm.default_config(m, n, k)
             assert cfg.fits(k) and cfg.block_m >= min(m, 64) and not cfg.cuda_cores
-            assert cfg.swap == (m <= 8 or 16 < m <= 64)
+            assert cfg.swap == (16 < m <= 64)
     one = fp8_gemm.default_config(1, 4096, 4096)
-    assert (one.block_m, one.block_n, one.split_k) == (16, 64, 4)
-    assert fp8_gemm.default_config(16, 4096, 4096).split_k == 2
+    assert (one.block_m, one.block_n, one.block_k, one.split_k) == (16, 32, 256, 2)
+    assert fp8_gemm.default_config(4, 14336, 4096).split_k == 1
     assert fp8_gemm.default_config(64, 4096, 4096).split_k == 4  # 64 tiles: split
     assert fp8_gemm.default_config(64, 14336, 4096).split_k == 1
 

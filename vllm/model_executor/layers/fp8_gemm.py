@@ -3,7 +3,8 @@
 The weight stays as the checkpoint stores it, float8_e4m3fn [N, K], with one float32 scale per
 output row (a per-tensor checkpoint scale is repeated over its rows at load). Each program
 converts its weight tile in registers (exact: every e4m3 value is a bf16, an fp16 and an fp32
-value) and multiplies it with the activations, summing in float32; the channel scale multiplies
+value; to bf16 by integer bit moves, not the conversion unit, see ``_E4M3X4_PTX``) and
+multiplies it with the activations, summing in float32; the channel scale multiplies
 the float32 sum in the epilogue, and the product is rounded once to the activation dtype.
 Activations are never quantized. Tiles of at most ``MAX_CUDA_CORE_ROWS`` rows (the small decode
 buckets: the whole time is reading the weight) multiply on the CUDA cores, products summed per
@@ -379,13 +380,13 @@ def _block_k(k: int, preferred: int) -> int:
 def default_config(m: int, n: int, k: int) -> Fp8Config:
     """A launch shape for an [m, k] x [n, k]^T product where no tuned table has one: the
     pattern of the H200 sweep's winners on the 11B shapes (``benchmarks/RESULTS.md``). Up to
-    8 rows the swapped kernel, 16-row tiles of 64 weight rows, K split in four; up to 16 rows
-    the tensor-core kernel, 32 weight rows a tile, K split in two; up to 64 rows the swapped
-    kernel with 64 weight rows a tile, K split in four where the tiles are few."""
-    if m <= MAX_CUDA_CORE_ROWS:
-        return _fitted(Fp8Config(16, 64, _block_k(k, 128), 4, num_stages=4, swap=True), k)
+    16 rows the tensor-core kernel with a 16-row tile (fewer rows read the same weight), K
+    tiles of 256: 64 weight rows a tile and no K split for wide outputs (8192 columns and
+    up), else 32 and K split in two; up to 64 rows the swapped kernel with 64 weight rows a
+    tile, K split in four where the tiles are few."""
     if m <= 16:
-        return _fitted(Fp8Config(16, 32, _block_k(k, 256), 2), k)
+        wide = n >= 8192
+        return _fitted(Fp8Config(16, 64 if wide else 32, _block_k(k, 256), 1 if wide else 2), k)
     if m <= 64:
         split = 4 if triton.cdiv(n, 64) < 128 else 1
         block_m = 32 if m <= 32 else 64
