@@ -211,26 +211,6 @@ def test_swapped_split_sums_in_one_order_and_resets_its_counters() -> None:
         fp8_gemm.fp8_gemm(x, fw, Fp8Config(8, 16, 64, swap=True))
 
 
-def test_tensor_core_split_in_launch_equals_the_second_kernel() -> None:
-    """The tensor-core kernel's K split summed in its own launch (a weight with counters) gives
-    the bits of the separate reduction kernel (a weight without), with and without the SiLU
-    epilogue, and leaves every counter at zero."""
-    layer, _, _ = fp8_layer([96], 512, seed=11)
-    x = torch.randn(5, 512).to(DEVICE, torch.bfloat16)
-    cfg = Fp8Config(16, 32, 64, split_k=4)
-    fw = layer.fmt.fp8_weight(layer, max_rows=16)
-    in_launch = fp8_gemm.fp8_gemm(x, fw, cfg)
-    assert fw.counters is not None and not fw.counters.any()
-    assert torch.equal(in_launch, fp8_gemm.fp8_gemm(x, layer.fmt.fp8_weight(layer), cfg))
-    assert torch.equal(in_launch, fp8_gemm.fp8_gemm(x, fw, cfg))
-    gate_up, _, _ = fp8_layer([64, 64], 256, seed=12)
-    fw = gate_up.fmt.fp8_weight(gate_up, max_rows=16)
-    y = fp8_gemm.fp8_gemm_silu(x[:, :256], fw, Fp8Config(16, 16, 64, split_k=2))
-    plain = gate_up.fmt.fp8_weight(gate_up)
-    assert torch.equal(y, fp8_gemm.fp8_gemm_silu(x[:, :256], plain, Fp8Config(16, 16, 64, 2)))
-    assert not fw.counters.any()
-
-
 def test_default_configs() -> None:
     """Without a tuned table: up to 16 rows the tensor-core kernel with a 16-row tile (no K
     split for wide outputs, two otherwise), up to 64 the swapped kernel; every default divides

@@ -197,28 +197,6 @@ def test_graph_replay_equals_eager() -> None:
         assert torch.equal(static_y, eager)
 
 
-def test_table_split_in_launch_equals_the_second_kernel() -> None:
-    """The table kernel's K split summed in its own launch (a weight with counters) gives the
-    bits of the separate reduction kernel (a weight without), with and without the SiLU
-    epilogue, and leaves every counter at zero."""
-    layer, _ = bnb_layer([80, 48, 48], 512, seed=5)
-    fmt = layer.fmt
-    x = torch.randn(3, 512).to(DEVICE, torch.bfloat16)
-    cfg = Nf4Config(16, 32, split_k=4, table=True)
-    qw = fmt.quantized_weight(layer, max_rows=16)
-    y = nf4_gemm.nf4_gemm(x, qw, cfg)
-    assert qw.counters is not None and not qw.counters.any()
-    assert torch.equal(y, nf4_gemm.nf4_gemm(x, fmt.quantized_weight(layer), cfg))
-    assert torch.equal(y, nf4_gemm.nf4_gemm(x, qw, cfg))
-    gate_up, _ = bnb_layer([64, 64], 256, seed=6)
-    qw = gate_up.fmt.quantized_weight(gate_up, max_rows=16)
-    cfg = Nf4Config(16, 16, split_k=2, table=True)
-    y = nf4_gemm.nf4_gemm_silu(x[:, :256], qw, cfg)
-    plain = gate_up.fmt.quantized_weight(gate_up)
-    assert torch.equal(y, nf4_gemm.nf4_gemm_silu(x[:, :256], plain, cfg))
-    assert not qw.counters.any()
-
-
 def test_table_kernel_refuses_what_it_cannot_run() -> None:
     layer, _ = bnb_layer([64], 256)
     qw = layer.fmt.quantized_weight(layer)

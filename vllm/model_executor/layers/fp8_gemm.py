@@ -99,15 +99,13 @@ def _program_tile(M, N, K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.cons
 
 
 @triton.jit
-def _fp8_gemm_kernel(x_ptr, w_ptr, s_ptr, y_ptr, p_ptr, c_ptr, M, N, x_stride, y_stride,
+def _fp8_gemm_kernel(x_ptr, w_ptr, s_ptr, y_ptr, p_ptr, M, N, x_stride, y_stride,
                      K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                      BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr, CUDA_CORES: tl.constexpr,
-                     DOT_F32: tl.constexpr, SILU_MUL: tl.constexpr, PTX: tl.constexpr,
-                     IN_LAUNCH: tl.constexpr):
+                     DOT_F32: tl.constexpr, SILU_MUL: tl.constexpr, PTX: tl.constexpr):
     # Row blocks vary fastest: the programs converting one weight tile run back to back.
-    # Program (m, n, s) sums K range [s * K / SPLIT_K, (s + 1) * K / SPLIT_K) of its tile;
-    # IN_LAUNCH: the split is summed in this launch (counters at c_ptr), else by
-    # ``_split_reduce_kernel``. SILU_MUL: weight rows [0, N) are gate, [N, 2N) up.
+    # Program (m, n, s) sums K range [s * K / SPLIT_K, (s + 1) * K / SPLIT_K) of its tile.
+    # SILU_MUL: weight rows [0, N) are gate, [N, 2N) up.
     pid_m, pid_n, pid_k, rows, cols, row_ok, col_ok, ks = _program_tile(
         M, N, K, BLOCK_M, BLOCK_N, BLOCK_K, SPLIT_K)
     per_split: tl.constexpr = K // SPLIT_K
@@ -143,12 +141,8 @@ def _fp8_gemm_kernel(x_ptr, w_ptr, s_ptr, y_ptr, p_ptr, c_ptr, M, N, x_stride, y
                 u_ptrs += BLOCK_K
             x_ptrs += BLOCK_K
             w_ptrs += BLOCK_K
-    if IN_LAUNCH:
-        _finish_split(acc, acc_u, s_ptr, y_ptr, p_ptr, c_ptr, rows, cols, row_ok, col_ok, M, N,
-                      y_stride, pid_m, pid_n, pid_k, dt, BLOCK_M, BLOCK_N, SPLIT_K, SILU_MUL)
-    else:
-        _finish(acc, acc_u, s_ptr, y_ptr, p_ptr, rows, cols, row_ok, col_ok, M, N, y_stride,
-                pid_k, dt, SPLIT_K, SILU_MUL)
+    _finish(acc, acc_u, s_ptr, y_ptr, p_ptr, rows, cols, row_ok, col_ok, M, N, y_stride, pid_k,
+            dt, SPLIT_K, SILU_MUL)
 
 
 @triton.jit
@@ -179,17 +173,8 @@ def _fp8_swap_kernel(x_ptr, w_ptr, s_ptr, y_ptr, p_ptr, c_ptr, M, N, x_stride, y
             u_ptrs += BLOCK_K
         xt_ptrs += BLOCK_K
         w_ptrs += BLOCK_K
-    _finish_split(tl.trans(acc), tl.trans(acc_u), s_ptr, y_ptr, p_ptr, c_ptr, rows, cols,
-                  row_ok, col_ok, M, N, y_stride, pid_m, pid_n, pid_k, dt, BLOCK_M, BLOCK_N,
-                  SPLIT_K, SILU_MUL)
-
-
-@triton.jit
-def _finish_split(out, out_u, s_ptr, y_ptr, p_ptr, c_ptr, rows, cols, row_ok, col_ok, M, N,
-                  y_stride, pid_m, pid_n, pid_k, dt: tl.constexpr, BLOCK_M: tl.constexpr,
-                  BLOCK_N: tl.constexpr, SPLIT_K: tl.constexpr, SILU_MUL: tl.constexpr):
-    # The output of a program whose K split (if any) is summed in this launch: its partials
-    # stored, and the tile's last program adds them all in split order (``split_k.py``).
+    out = tl.trans(acc)
+    out_u = tl.trans(acc_u)
     if SPLIT_K == 1:
         _finish(out, out_u, s_ptr, y_ptr, p_ptr, rows, cols, row_ok, col_ok, M, N, y_stride,
                 pid_k, dt, 1, SILU_MUL)
@@ -512,31 +497,20 @@ def _launch(
     assert y.shape == (m, n) and y.stride(1) == 1
     if cfg.swap:
         return _launch_swapped(x, fw, n, cfg, y, silu_mul)
-    partial = counters = y  # unused without a K split
+    partial = y  # unused without a K split
     if cfg.split_k > 1:
         width = 2 * n if silu_mul else n
         partial = torch.empty((cfg.split_k, m, width), dtype=torch.float32, device=x.device)
     grid = (triton.cdiv(m, cfg.block_m), triton.cdiv(n, cfg.block_n), cfg.split_k)
-    # A split is summed in this launch where the weight has counters for every tile (none on
-    # CUDA-core tiles, whose rows are fewer than the counters' 16), else by a second kernel.
-    in_launch = (
-        cfg.split_k > 1
-        and not cfg.cuda_cores
-        and fw.counters is not None
-        and fw.counters.numel() >= grid[0] * grid[1]
-    )
-    if in_launch:
-        counters = fw.counters
     _fp8_gemm_kernel[grid](
-        x, fw.weight, fw.scale, y, partial, counters,
+        x, fw.weight, fw.scale, y, partial,
         m, n, x.stride(0), y.stride(0),
         K=k, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
         SPLIT_K=cfg.split_k, CUDA_CORES=cfg.cuda_cores,
         DOT_F32=_INTERPRETED or x.dtype == torch.float32, SILU_MUL=silu_mul,
-        PTX=not _INTERPRETED, IN_LAUNCH=in_launch, num_warps=cfg.num_warps,
-        num_stages=cfg.num_stages,
+        PTX=not _INTERPRETED, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )  # fmt: skip
-    if cfg.split_k > 1 and not in_launch:
+    if cfg.split_k > 1:
         block = 1024
         _split_reduce_kernel[(triton.cdiv(m * n, block),)](
             partial, fw.scale, y, m, n, y.stride(0),

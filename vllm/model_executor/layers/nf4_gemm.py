@@ -45,7 +45,6 @@ import triton
 import triton.language as tl
 
 from vllm import envs
-from vllm.model_executor.layers.split_k import arrive_last, reset_counter, sum_partials, tile_count
 from vllm.model_executor.layers.tuned_configs import TunedTables
 
 # Triton reads the flag when kernels are defined, so once at import is enough.
@@ -65,9 +64,6 @@ class QuantizedWeight:
     nested_code: torch.Tensor | None = None  # float32 [256]
     shard_index: torch.Tensor | None = None  # int32 [S, 2]: first row, first group
     shard_offsets: torch.Tensor | None = None  # float32 [S]
-    # int32 zeros, one per output tile of 16 x 16: the table kernel's K-split arrival counts
-    # (``split_k.py``). None: its splits are summed by a second kernel.
-    counters: torch.Tensor | None = None
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -406,15 +402,14 @@ def _table_product(acc, x_ptr, x_stride, rows, row_ok, w_ptr, s_ptr, code_ptr, n
 
 @triton.jit
 def _nf4_table_kernel(x_ptr, w_ptr, s_ptr, code_ptr, n2_ptr, nc_ptr, sh_ptr, off_ptr, y_ptr,
-                      p_ptr, c_ptr, M, N, x_stride, y_stride,
+                      p_ptr, M, N, x_stride, y_stride,
                       K: tl.constexpr, BLOCKSIZE: tl.constexpr, NESTED: tl.constexpr,
                       NUM_SHARDS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                       BLOCKS_PER_ITER: tl.constexpr, SPLIT_K: tl.constexpr,
                       DOT_F32: tl.constexpr, EXACT_BF16: tl.constexpr, EXACT_MUL: tl.constexpr,
-                      SILU_MUL: tl.constexpr, PTX: tl.constexpr, IN_LAUNCH: tl.constexpr):
+                      SILU_MUL: tl.constexpr, PTX: tl.constexpr):
     # The tensor-core GEMM on table lookups (``_table_product``); a decode step's few rows are
-    # padded to the dot's 16. Grid, K split and partial sums as ``_nf4_gemm_kernel``; with
-    # IN_LAUNCH the split is summed in this launch (``split_k.py``, counters at c_ptr).
+    # padded to the dot's 16. Grid, K split and partial sums as ``_nf4_gemm_kernel``.
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     pid_k = tl.program_id(2)
@@ -458,18 +453,6 @@ def _nf4_table_kernel(x_ptr, w_ptr, s_ptr, code_ptr, n2_ptr, nc_ptr, sh_ptr, off
         tl.store(p_ptrs, out, mask=mask)
         if SILU_MUL:
             tl.store(p_ptrs + N, out_u, mask=mask)
-        if IN_LAUNCH:
-            tile = pid_n * tl.num_programs(0) + pid_m
-            if arrive_last(c_ptr, tile, SPLIT_K):
-                out = sum_partials(p_ptr, rows, cols, mask, M, width, BLOCK_M, BLOCK_N, SPLIT_K)
-                if SILU_MUL:
-                    out_u = sum_partials(p_ptr + N, rows, cols, mask, M, width, BLOCK_M,
-                                         BLOCK_N, SPLIT_K)
-                reset_counter(c_ptr, tile)
-                y = _epilogue(out, out_u, x_ptr.dtype.element_ty, y_ptr.dtype.element_ty,
-                              SILU_MUL)
-                tl.store(y_ptr + rows.to(tl.int64)[:, None] * y_stride + cols[None, :], y,
-                         mask=mask)
 
 
 @triton.jit
@@ -529,12 +512,6 @@ class Nf4Config:
         """Whether a launch of ``m`` rows may use this config: the CUDA-core kernel holds at
         most ``MAX_ROWS`` rows a tile, the table kernel any number."""
         return self.table or self.block_m <= MAX_ROWS
-
-
-def make_counters(n_out: int, max_rows: int, device: torch.device) -> torch.Tensor:
-    """Counters for the table kernel's K splits on an ``n_out``-column output of up to
-    ``max_rows`` rows: one per output tile of its smallest tiles (16 x 16)."""
-    return torch.zeros(tile_count(n_out, max_rows, 16), dtype=torch.int32, device=device)
 
 
 MAX_ROWS = 8  # the GEMM's row tile holds BLOCK_M x BLOCK_N x blocksize / 2 float32 sums
@@ -707,9 +684,8 @@ def _launch(
     if not cfg.serves(m):
         raise ValueError(f"{cfg}: at most {MAX_ROWS} rows a tile")
     grid = (triton.cdiv(m, cfg.block_m), triton.cdiv(n, cfg.block_n), cfg.split_k)
-    in_launch = False
     if cfg.table:
-        in_launch = _launch_table(x, qw, cfg, grid, y, partial, n, silu_mul)
+        _launch_table(x, qw, cfg, grid, y, partial, n, silu_mul)
     else:
         _nf4_gemm_kernel[grid](
             x, *_pointers(qw), y, partial,
@@ -719,7 +695,7 @@ def _launch(
             SPLIT_K=cfg.split_k, EXACT_BF16=_INTERPRETED, EXACT_MUL=not _INTERPRETED,
             SILU_MUL=silu_mul, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         )  # fmt: skip
-    if cfg.split_k > 1 and not in_launch:
+    if cfg.split_k > 1:
         block = 1024
         _split_reduce_kernel[(triton.cdiv(m * n, block),)](
             partial, y, m, n, y.stride(0),
@@ -738,25 +714,20 @@ def _launch_table(
     partial: torch.Tensor,
     n: int,
     silu_mul: bool,
-) -> bool:
-    """Runs the table kernel; returns whether its K split (if any) was summed in the launch
-    (the weight has counters for every tile)."""
+) -> None:
     if x.dtype not in (torch.bfloat16, torch.float16):
         raise ValueError(f"{cfg}: the table kernel takes 16-bit inputs, not {x.dtype}")
     if min(cfg.block_m, cfg.block_n, cfg.blocks_per_iter * qw.blocksize // 2) < 16:
         raise ValueError(f"{cfg}: the table kernel's tiles are 16 wide and up (tl.dot)")
-    counters = qw.counters
-    in_launch = cfg.split_k > 1 and counters is not None and counters.numel() >= grid[0] * grid[1]
     _nf4_table_kernel[grid](
-        x, *_pointers(qw), y, partial, counters if in_launch else y,
+        x, *_pointers(qw), y, partial,
         x.shape[0], n, x.stride(0), y.stride(0),
         K=qw.shape[1], BLOCKSIZE=qw.blocksize, NESTED=qw.nested, NUM_SHARDS=_num_shards(qw),
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCKS_PER_ITER=cfg.blocks_per_iter,
         SPLIT_K=cfg.split_k, DOT_F32=_INTERPRETED, EXACT_BF16=_INTERPRETED,
         EXACT_MUL=not _INTERPRETED, SILU_MUL=silu_mul, PTX=not _INTERPRETED,
-        IN_LAUNCH=in_launch, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )  # fmt: skip
-    return in_launch
 
 
 def linear_kernel(qw: QuantizedWeight, config: Nf4Config) -> Callable[..., torch.Tensor]:

@@ -243,10 +243,9 @@ class Bnb4bitFormat(LinearFormat):
             dtype,
         )
 
-    def quantized_weight(self, layer: Linear, max_rows: int = 0) -> QuantizedWeight:
-        """The layer's tensors as the Triton kernels take them; with ``max_rows``, K-split
-        counters for decode inputs of up to that many rows."""
-        from vllm.model_executor.layers.nf4_gemm import QuantizedWeight, make_counters
+    def quantized_weight(self, layer: Linear) -> QuantizedWeight:
+        """The layer's tensors as the Triton kernels take them."""
+        from vllm.model_executor.layers.nf4_gemm import QuantizedWeight
 
         nested = {}
         if self.spec.nested:
@@ -256,16 +255,12 @@ class Bnb4bitFormat(LinearFormat):
                 shard_index=layer.shard_index,
                 shard_offsets=layer.shard_offsets,
             )
-        counters = None
-        if max_rows:
-            counters = make_counters(layer.out_features, max_rows, layer.weight.device)
         return QuantizedWeight(
             layer.weight,
             layer.absmax,
             device_code(layer.quant_code, self.spec.quant_type),
             self.spec.blocksize,
             **nested,
-            counters=counters,
         )
 
     # ------------------------------------------------------------------ kernels
@@ -301,10 +296,9 @@ class Bnb4bitFormat(LinearFormat):
             return [self.torch_kernel(layer)] * count
         from vllm.model_executor.layers import nf4_gemm
 
-        gemm = self._fused_gemm(layer, target)
-        qw = self.quantized_weight(layer, max(target.row_buckets, default=0) if gemm else 0)
+        qw = self.quantized_weight(layer)
         any_rows = self._scratch_kernel(layer, qw)
-        if not gemm:
+        if not self._fused_gemm(layer, target):
             return [any_rows] * count
         n, k, gpu = layer.out_features, layer.in_features, _device_name(target)
         dt = self.compute_dtype(layer)
@@ -320,7 +314,7 @@ class Bnb4bitFormat(LinearFormat):
             return table
         from vllm.model_executor.layers import nf4_gemm
 
-        qw = self.quantized_weight(layer, max(target.row_buckets, default=0))
+        qw = self.quantized_weight(layer)
         n, k, gpu = layer.out_features // 2, layer.in_features, _device_name(target)
         dt = self.compute_dtype(layer)
         for i, rows in enumerate(target.row_buckets):
