@@ -6,13 +6,14 @@ converts its weight tile in registers (exact: every e4m3 value is a bf16, an fp1
 value; to bf16 by integer bit moves, not the conversion unit, see ``_E4M3X4_PTX``) and
 multiplies it with the activations, summing in float32; the channel scale multiplies
 the float32 sum in the epilogue, and the product is rounded once to the activation dtype.
-Activations are never quantized. Tiles of at most ``MAX_CUDA_CORE_ROWS`` rows (the small decode
-buckets: the whole time is reading the weight) multiply on the CUDA cores, products summed per
-lane and reduced once after the K loop; wider tiles feed ``tl.dot`` on the tensor cores. Where
-the output tiles are too few to keep the memory system busy, K is split over programs whose
-float32 partial sums a second kernel adds in split order: a fixed reduction order per config,
-as the graph contract needs. Row blocks sharing a weight tile run next to each other, as in
-``skinny_gemm.py``.
+Activations are never quantized. Row tiles of at most ``MAX_CUDA_CORE_ROWS`` rows can multiply
+on the CUDA cores, products summed per lane and reduced once after the K loop; tiles of 16
+rows and up feed ``tl.dot`` on the tensor cores, a 16-row tile serving the small decode
+buckets too (their time is all reading the weight, which is the same). Where the output tiles
+are too few to keep the memory system busy, K is split over programs whose float32 partial
+sums a second kernel adds in split order (the swapped kernel: its last program of a tile, in
+the same launch): a fixed reduction order per config, as the graph contract needs. Row blocks
+sharing a weight tile run next to each other, as in ``skinny_gemm.py``.
 
 The epilogue scale is the exact product of the weight and its scale; the reference
 (compressed-tensors' decompression, ``quantization/fp8.py``) first rounds every weight to the
