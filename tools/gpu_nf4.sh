@@ -16,7 +16,10 @@ if [ "$WHAT" = kernels ] || [ "$WHAT" = all ]; then
     tests/model_executor/test_bnb_loading.py} >"$OUT/nf4_tests.log" 2>&1
   tail -3 "$OUT/nf4_tests.log"
   stamp "NF4 GEMM sweep, 11B shapes"
-  timeout "${SWEEP_S:-400}" python3 -m benchmarks.kernels nf4 --sweep --table --silu --jobs 14 \
+  # Four shapes x four row counts took about 9 minutes on the H200 (2026-12-02); where a run
+  # has a shorter time limit, split SHAPES (or ROWS) over runs.
+  timeout "${SWEEP_S:-540}" python3 -m benchmarks.kernels nf4 --sweep --table --silu --jobs 14 \
+    --rows "${ROWS:-1,4,16,64}" --shapes "${SHAPES:-qkv,o_proj,gate_up,down}" \
     --json "$OUT/nf4_11b.json" >"$OUT/nf4_sweep.log" 2>&1
   tail -2 "$OUT/nf4_sweep.log"
   cp vllm/model_executor/layers/nf4_configs/*.json "$OUT/" 2>/dev/null
