@@ -28,6 +28,10 @@ COMMANDS = {
         "benchmarks.kernels.fp8",
         "the FP8 linears of a text layer: Triton FP8 GEMM vs bf16, scratch, _scaled_mm",
     ),
+    "sass": (
+        "benchmarks.kernels.sass",
+        "instruction mix of the FP8 / NF4 GEMMs' K loop in sm_90 SASS (built on the host)",
+    ),
     "launch": (
         "benchmarks.kernels.launch",
         "host cost of launching a CUDA graph against its number of kernel nodes",
