@@ -82,6 +82,9 @@ GEMM_CONFIGS = [
     Nf4Config(8, 16, blocks_per_iter=2, split_k=2, num_stages=2),
     Nf4Config(16, 32, table=True),  # the tensor-core table kernel
     Nf4Config(16, 16, blocks_per_iter=2, split_k=2, table=True),
+    # The tile shapes the H200 table runs (16 x 64 up to 16 rows, 64 x 64 above).
+    Nf4Config(16, 64, blocks_per_iter=2, split_k=2, table=True),
+    Nf4Config(64, 64, split_k=4, table=True),
 ]
 
 
@@ -118,6 +121,7 @@ def test_fp16_gemm_and_float32_out() -> None:
         (17, Nf4Config(8, 32, split_k=2, num_stages=2)),
         (3, Nf4Config(4, 32, blocks_per_iter=2, split_k=2, num_stages=2)),
         (17, Nf4Config(16, 32, split_k=2, table=True)),
+        (3, Nf4Config(16, 64, blocks_per_iter=2, split_k=2, table=True)),
     ],
 )
 def test_silu_epilogue_equals_gemm_then_silu_and_mul(m: int, cfg: Nf4Config) -> None:
