@@ -140,8 +140,17 @@ class EngineArgs:
 
     def _check_unsupported(self) -> None:
         check_quantization_flag(self.quantization)  # the flag alone, early
-        if self.tensor_parallel_size != 1:
-            raise ValueError("tensor_parallel_size > 1 is not supported yet (one GPU per model)")
+        if self.tensor_parallel_size < 1:
+            raise ValueError(
+                f"tensor_parallel_size must be 1 or more, got {self.tensor_parallel_size}"
+            )
+        if self.tensor_parallel_size > 1 and self._device().type == "cuda":
+            # The ranks run over gloo on CPU; on GPUs they need NCCL collectives inside the
+            # decode graphs, which are not built.
+            raise ValueError(
+                "tensor_parallel_size > 1 runs on CPU only so far (--device cpu): GPU ranks "
+                "(NCCL inside CUDA graphs) are not supported yet"
+            )
         if self.pipeline_parallel_size != 1:
             raise ValueError("pipeline_parallel_size > 1 is not supported (one GPU per model)")
         if self.enable_lora:

@@ -246,6 +246,8 @@ class AsyncLLMEngine:
         self._commands.put(None)
         self._thread.join(timeout)
         self._pool.shutdown(wait=False, cancel_futures=True)
+        if not self._thread.is_alive():  # the loop is done with the engine
+            self.engine.shutdown()
 
     def stats(self) -> dict[str, Any]:
         """A snapshot for /metrics (read without locking: small races are harmless)."""

@@ -257,7 +257,7 @@ _FLAG_SPECS: dict[str, dict[str, Any]] = {
     },
     "tensor_parallel_size": {
         "type": int,
-        "help": "Number of tensor-parallel GPUs (1 is supported).",
+        "help": "Number of tensor-parallel ranks, one process each (above 1: CPU only so far).",
     },
     "pipeline_parallel_size": {
         "type": int,

@@ -6,12 +6,16 @@ free what finished -> outputs. Bad input raises at ``add_request`` and never rea
 
 from __future__ import annotations
 
+import contextlib
 import json
+import random
 import threading
 import time
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
+
+import torch
 
 from vllm.config import VllmConfig
 from vllm.core.block_manager import BlockManager
@@ -58,15 +62,42 @@ class LLMEngine:
     """Owns the tokenizer, input processor, scheduler and model runner."""
 
     def __init__(self, config: VllmConfig, log_stats: bool = True,
-                 async_scheduling: bool = True, warmup: bool | None = None) -> None:
+                 async_scheduling: bool = True, warmup: bool | None = None,
+                 tp_rank: int = 0) -> None:
         t0 = time.perf_counter()
+        # Tensor parallelism: rank 0 (this engine, unless ``tp_rank`` says it is another
+        # rank's replica) starts the other ranks and sends them its state-changing calls
+        # (vllm/distributed/tp_engine.py).
+        tp = config.parallel_config.tensor_parallel_size
+        self._ranks = None
+        if tp > 1 and tp_rank == 0:
+            from vllm.distributed.tp_engine import start_ranks
+
+            self._ranks = start_ranks(config)
+        try:
+            self._build(config, log_stats, async_scheduling, warmup, t0)
+        except BaseException:
+            if self._ranks is not None:  # the other ranks stop with this one
+                self._ranks.terminate()
+            raise
+
+    def _build(self, config: VllmConfig, log_stats: bool, async_scheduling: bool,
+               warmup: bool | None, t0: float) -> None:
         mc = config.model_config
+        tp = config.parallel_config.tensor_parallel_size
         self.tokenizer = get_tokenizer(mc.tokenizer_path)
         # The model first, with the configuration as asked; the memory profile fits the
         # configuration to the pages that fit, and the runner is built with that one.
         loaded = load_model(config)
         t_profile = time.perf_counter()
         num_pages = determine_num_pages(config, loaded)
+        if tp > 1:
+            from vllm.distributed.tp_engine import agree_min
+
+            num_pages = agree_min(num_pages)  # one page table for every rank's KV heads
+            # Every request samples from seeded generators (``add_request``); anything else
+            # drawing from the global generator draws the same on every rank.
+            torch.manual_seed(mc.seed)
         profile_seconds = time.perf_counter() - t_profile
         check_context_fits(config, loaded.layout, num_pages)
         self.config = config
@@ -163,6 +194,10 @@ class LLMEngine:
         if priority != 0 and self.config.scheduler_config.scheduling_policy != "priority":
             raise ValueError(f"priority={priority} needs scheduling_policy='priority'")
         params = params.clone() if params is not None else self.default_sampling_params()
+        if self._ranks is not None and params.seed is None:
+            # Every rank samples the request from generators of one seed (rank 0's draw).
+            params.seed = random.getrandbits(62)
+        sent = params.clone()
         params.update_from_generation_config(
             {"eos_token_id": self.generation_config.get("eos_token_id")}, self.eos_token_ids)
         self.check_params(params)
@@ -173,6 +208,9 @@ class LLMEngine:
         request.grammar = grammar if params.guided_decoding is not None else None
         if arrival_time is not None:
             request.arrival_time = arrival_time
+        if self._ranks is not None:  # the same request on every rank, after it validated
+            kwargs = dict(arrival_time=request.arrival_time, processed=inputs, priority=priority)
+            self._ranks.send(("add", (request_id, None, sent), kwargs))
         self.scheduler.add_request(request)
 
     def check_params(self, params: SamplingParams) -> None:
@@ -215,6 +253,8 @@ class LLMEngine:
 
     def abort_request(self, request_ids: str | Iterable[str]) -> None:
         ids = [request_ids] if isinstance(request_ids, str) else list(request_ids)
+        if self._ranks is not None:
+            self._ranks.send(("abort", ids))
         for rid in ids:
             req = self.scheduler.abort(rid)
             if req is not None:
@@ -227,8 +267,22 @@ class LLMEngine:
     def reset_prefix_cache(self) -> bool:
         """Forgets every cached page and cross group: nothing is matched again until
         written again (pages in use stay with their owners)."""
+        if self._ranks is not None:
+            self._ranks.send(("reset_prefix_cache",))
         self.block_manager.pool.reset()
         return True
+
+    def shutdown(self) -> None:
+        """Stops the other tensor-parallel ranks (nothing to do with one)."""
+        if self._ranks is not None:
+            self._ranks.shutdown()
+
+    def __del__(self) -> None:
+        ranks = getattr(self, "_ranks", None)
+        if ranks is not None and not ranks.closed:
+            # The group may be gone already (interpreter exit).
+            with contextlib.suppress(Exception):
+                ranks.shutdown(timeout_s=5.0)
 
     def reset_counters(self) -> None:
         """Zeroes the step counters (graph replays, host time, ...), the preemption count and
@@ -260,6 +314,8 @@ class LLMEngine:
         Raises :class:`~vllm.engine.errors.DeviceError` when the GPU failed: that is never
         pinned on a request, and no further step can run in this process.
         """
+        if self._ranks is not None:
+            self._ranks.send(("step",))
         try:
             return self._step()
         except DeviceError:
@@ -267,6 +323,8 @@ class LLMEngine:
         except Exception as e:
             if is_device_error(e):
                 raise device_error(e) from e
+            if self._ranks is not None:  # a rank that died fails the step by name
+                self._ranks.check(wait_s=2.0 if isinstance(e, RuntimeError) else 0.0)
             raise
 
     def _step(self) -> list[RequestOutput]:
