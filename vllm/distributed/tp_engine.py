@@ -3,12 +3,14 @@
 Every rank runs a replica of the engine (scheduler, block manager, model runner on its slice of
 the model, its KV heads' pages of one shared page layout). Rank 0's engine is the one callers
 hold; each call that changes engine state (``add_request`` with rank 0's processed inputs and
-arrival time, ``abort_request``, ``step``, ``reset_prefix_cache``) is sent to the other ranks
-over a gloo group before rank 0 runs it, and they run the same call. The replicas therefore
-schedule the same steps, and the model's collectives (``parallel_state``) meet: every rank
-computes the same logits after the vocabulary gather, samples the same tokens with the same
-per-request generators (and the same global seed), and advances the same decode rows. Rank 0
-schedules for all: its calls are the only input the others get, in its order.
+arrival time and, for an unseeded request, a sampling seed it draws; ``abort_request``;
+``step``; ``reset_prefix_cache``) is sent to the other ranks over a gloo group before rank 0
+runs it, and they run the same call. The replicas therefore schedule the same steps, and the
+model's collectives (``parallel_state``) meet: every rank computes the same logits after the
+vocabulary gather, samples the same tokens from generators of the same seeds, and advances the
+same decode rows. Rank 0 decides for all: its calls, in its order, are the only input the
+others get. The ranks run on CPU (gloo); GPU ranks need NCCL inside the decode graphs, which
+are not built (``EngineArgs`` refuses them).
 
 A rank that exits is found before the next call is sent (``TensorParallelError`` naming it);
 one that dies inside a step fails that step's collective on the others (gloo raises at once on
@@ -44,7 +46,7 @@ def _free_port() -> int:
 
 def _join(size: int, rank: int, init_method: str, timeout_s: float) -> None:
     global _CONTROL
-    init_tensor_parallel(size, rank, init_method, timeout_s=timeout_s)
+    init_tensor_parallel(size, rank, init_method, backend="gloo", timeout_s=timeout_s)
     _CONTROL = dist.new_group(backend="gloo")
 
 
