@@ -110,16 +110,16 @@ class Ranks:
             destroy_tensor_parallel()
 
 
-def start_ranks(config: Any, timeout_s: float = 300.0) -> Ranks:
-    """Starts ranks 1 .. N-1 (each builds its engine replica from ``config``) and joins the
-    group as rank 0. Called by rank 0's engine before it loads its slice of the model."""
+def start_ranks(config: Any, engine_cls: type, timeout_s: float = 300.0) -> Ranks:
+    """Starts ranks 1 .. N-1 (each builds its replica, ``engine_cls(config, ...)``) and joins
+    the group as rank 0. Called by rank 0's engine before it loads its slice of the model."""
     size = config.parallel_config.tensor_parallel_size
     init_method = f"tcp://127.0.0.1:{_free_port()}"
     ctx = mp.get_context("spawn")
     procs = [
         ctx.Process(
             target=_rank_main,
-            args=(rank, size, init_method, config, timeout_s),
+            args=(rank, size, init_method, config, engine_cls, timeout_s),
             name=f"vllm-tp-rank-{rank}",
             daemon=True,
         )
@@ -131,15 +131,15 @@ def start_ranks(config: Any, timeout_s: float = 300.0) -> Ranks:
     return Ranks(procs)
 
 
-def _rank_main(rank: int, size: int, init_method: str, config: Any, timeout_s: float) -> None:
+def _rank_main(
+    rank: int, size: int, init_method: str, config: Any, engine_cls: type, timeout_s: float
+) -> None:
     """A rank other than 0: its engine replica runs the calls rank 0 sends until told to
     stop."""
-    from vllm.engine.llm_engine import LLMEngine
-
     torch.set_num_threads(max(1, torch.get_num_threads() // size))
     _join(size, rank, init_method, timeout_s)
     try:
-        engine = LLMEngine(config, log_stats=False, tp_rank=rank)
+        engine = engine_cls(config, log_stats=False, tp_rank=rank)
         while True:
             box: list = [None]
             dist.broadcast_object_list(box, src=0, group=_CONTROL)

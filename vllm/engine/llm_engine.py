@@ -73,7 +73,7 @@ class LLMEngine:
         if tp > 1 and tp_rank == 0:
             from vllm.distributed.tp_engine import start_ranks
 
-            self._ranks = start_ranks(config)
+            self._ranks = start_ranks(config, type(self))
         try:
             self._build(config, log_stats, async_scheduling, warmup, t0)
         except BaseException:
