@@ -228,23 +228,9 @@ def _nf4_gemm_kernel(x_ptr, w_ptr, s_ptr, code_ptr, n2_ptr, nc_ptr, sh_ptr, off_
     # with SILU_MUL) that ``_split_reduce_kernel`` adds in split order.
     # SILU_MUL: weight rows [0, N) are gate, [N, 2N) up.
     HALF: tl.constexpr = BLOCKSIZE // 2
-    pid_m = tl.program_id(0)
-    pid_n = tl.program_id(1)
-    pid_k = tl.program_id(2)
-    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    row_ok = rows < M
-    col_ok = cols < N
-    start = tl.zeros_like(cols)
-    base = tl.zeros_like(cols)
-    offset = tl.zeros((BLOCK_N,), dtype=tl.float32)
-    start_u = start
-    base_u = base
-    offset_u = offset
-    if NESTED:
-        start, base, offset = _shard_of(sh_ptr, off_ptr, cols, NUM_SHARDS)
-        if SILU_MUL:
-            start_u, base_u, offset_u = _shard_of(sh_ptr, off_ptr, cols + N, NUM_SHARDS)
+    (pid_m, pid_n, pid_k, rows, cols, row_ok, col_ok, start, base, offset, start_u, base_u,
+     offset_u) = _program_tile(sh_ptr, off_ptr, M, N, NESTED, NUM_SHARDS, BLOCK_M, BLOCK_N,
+                               SILU_MUL)
     acc3 = tl.zeros((BLOCK_M, BLOCK_N, HALF), dtype=tl.float32)
     acc3_u = tl.zeros((BLOCK_M, BLOCK_N, HALF), dtype=tl.float32)
     per_split: tl.constexpr = K // BLOCKSIZE // SPLIT_K
@@ -260,11 +246,43 @@ def _nf4_gemm_kernel(x_ptr, w_ptr, s_ptr, code_ptr, n2_ptr, nc_ptr, sh_ptr, off_
                                         code_ptr, n2_ptr, nc_ptr, cols + N, col_ok, start_u,
                                         base_u, offset_u, j, K, BLOCKSIZE, NESTED, EXACT_BF16,
                                         EXACT_MUL)
-    acc = tl.sum(acc3, axis=2)
-    acc_u = tl.sum(acc3_u, axis=2)
+    _store_output(tl.sum(acc3, axis=2), tl.sum(acc3_u, axis=2), y_ptr, p_ptr, rows, cols, row_ok,
+                  col_ok, M, N, y_stride, pid_k, x_ptr.dtype.element_ty, SPLIT_K, SILU_MUL)
+
+
+@triton.jit
+def _program_tile(sh_ptr, off_ptr, M, N, NESTED: tl.constexpr, NUM_SHARDS: tl.constexpr,
+                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, SILU_MUL: tl.constexpr):
+    # Program (m, n, s) of either GEMM: its rows and weight rows, their masks, and with
+    # NESTED each weight row's shard (first row, first second-level scale, offset), for up's
+    # rows too with SILU_MUL.
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    pid_k = tl.program_id(2)
+    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    start = tl.zeros_like(cols)
+    base = tl.zeros_like(cols)
+    offset = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    start_u = start
+    base_u = base
+    offset_u = offset
+    if NESTED:
+        start, base, offset = _shard_of(sh_ptr, off_ptr, cols, NUM_SHARDS)
+        if SILU_MUL:
+            start_u, base_u, offset_u = _shard_of(sh_ptr, off_ptr, cols + N, NUM_SHARDS)
+    return (pid_m, pid_n, pid_k, rows, cols, rows < M, cols < N, start, base, offset, start_u,
+            base_u, offset_u)
+
+
+@triton.jit
+def _store_output(acc, acc_u, y_ptr, p_ptr, rows, cols, row_ok, col_ok, M, N, y_stride, pid_k,
+                  dt: tl.constexpr, SPLIT_K: tl.constexpr, SILU_MUL: tl.constexpr):
+    # Without a K split: the epilogue and the output. With one: the float32 partial sums
+    # ([SPLIT_K, M, N], twice N with SILU_MUL) for ``_split_reduce_kernel``.
     mask = row_ok[:, None] & col_ok[None, :]
     if SPLIT_K == 1:
-        y = _epilogue(acc, acc_u, x_ptr.dtype.element_ty, y_ptr.dtype.element_ty, SILU_MUL)
+        y = _epilogue(acc, acc_u, dt, y_ptr.dtype.element_ty, SILU_MUL)
         tl.store(y_ptr + rows.to(tl.int64)[:, None] * y_stride + cols[None, :], y, mask=mask)
     else:
         width = 2 * N if SILU_MUL else N
@@ -410,23 +428,9 @@ def _nf4_table_kernel(x_ptr, w_ptr, s_ptr, code_ptr, n2_ptr, nc_ptr, sh_ptr, off
                       SILU_MUL: tl.constexpr, PTX: tl.constexpr):
     # The tensor-core GEMM on table lookups (``_table_product``); a decode step's few rows are
     # padded to the dot's 16. Grid, K split and partial sums as ``_nf4_gemm_kernel``.
-    pid_m = tl.program_id(0)
-    pid_n = tl.program_id(1)
-    pid_k = tl.program_id(2)
-    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    row_ok = rows < M
-    col_ok = cols < N
-    start = tl.zeros_like(cols)
-    base = tl.zeros_like(cols)
-    offset = tl.zeros((BLOCK_N,), dtype=tl.float32)
-    start_u = start
-    base_u = base
-    offset_u = offset
-    if NESTED:
-        start, base, offset = _shard_of(sh_ptr, off_ptr, cols, NUM_SHARDS)
-        if SILU_MUL:
-            start_u, base_u, offset_u = _shard_of(sh_ptr, off_ptr, cols + N, NUM_SHARDS)
+    (pid_m, pid_n, pid_k, rows, cols, row_ok, col_ok, start, base, offset, start_u, base_u,
+     offset_u) = _program_tile(sh_ptr, off_ptr, M, N, NESTED, NUM_SHARDS, BLOCK_M, BLOCK_N,
+                               SILU_MUL)
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     acc_u = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     per_split: tl.constexpr = K // BLOCKSIZE // SPLIT_K
@@ -441,18 +445,8 @@ def _nf4_table_kernel(x_ptr, w_ptr, s_ptr, code_ptr, n2_ptr, nc_ptr, sh_ptr, off
                                    code_ptr, n2_ptr, nc_ptr, cols + N, col_ok, start_u, base_u,
                                    offset_u, j0, K, BLOCKSIZE, NESTED, BLOCKS_PER_ITER,
                                    BLOCK_N, DOT_F32, EXACT_BF16, EXACT_MUL, PTX)
-    out = acc
-    out_u = acc_u
-    mask = row_ok[:, None] & col_ok[None, :]
-    if SPLIT_K == 1:
-        y = _epilogue(out, out_u, x_ptr.dtype.element_ty, y_ptr.dtype.element_ty, SILU_MUL)
-        tl.store(y_ptr + rows.to(tl.int64)[:, None] * y_stride + cols[None, :], y, mask=mask)
-    else:
-        width = 2 * N if SILU_MUL else N
-        p_ptrs = p_ptr + (pid_k * M + rows.to(tl.int64))[:, None] * width + cols[None, :]
-        tl.store(p_ptrs, out, mask=mask)
-        if SILU_MUL:
-            tl.store(p_ptrs + N, out_u, mask=mask)
+    _store_output(acc, acc_u, y_ptr, p_ptr, rows, cols, row_ok, col_ok, M, N, y_stride, pid_k,
+                  x_ptr.dtype.element_ty, SPLIT_K, SILU_MUL)
 
 
 @triton.jit
