@@ -118,7 +118,7 @@ def test_serve_timeline_orders_a_chat_requests_stages(tmp_path: Path) -> None:
     import signal
 
     import httpx
-    from helpers.server_process import free_port, wait_healthy
+    from helpers.server_process import free_port, stop, wait_healthy
 
     timeline = tmp_path / "timeline.json"
     port = free_port()
@@ -137,12 +137,7 @@ def test_serve_timeline_orders_a_chat_requests_stages(tmp_path: Path) -> None:
             r = httpx.post(f"{url}/v1/chat/completions", json=body, timeout=60)
             assert r.status_code == 200
     finally:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+        stop(proc, signal.SIGTERM)
     data = json.loads(timeline.read_text())
     assert data["overlapped"] == 0 and len(data["requests"]) == 2
     order = ["body_received", "handler", "prompt", "inputs", "engine_add", "scheduled"]

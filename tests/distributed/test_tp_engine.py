@@ -8,7 +8,6 @@ from __future__ import annotations
 import base64
 import io
 import os
-import signal
 import subprocess
 import sys
 
@@ -16,7 +15,7 @@ import httpx
 import numpy as np
 import pytest
 from helpers.compare import check_logprobs_close, vllm_greedy
-from helpers.server_process import free_port, wait_healthy
+from helpers.server_process import free_port, stop, wait_healthy
 from PIL import Image
 
 from vllm import LLM, SamplingParams
@@ -192,13 +191,8 @@ def test_vllm_serve_with_two_ranks() -> None:
         assert r.status_code == 200, r.text
         assert r.json()["usage"]["completion_tokens"] == 6
     finally:
-        proc.send_signal(signal.SIGINT)
-        try:
-            proc.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
-    assert proc.returncode == 0
+        code = stop(proc)
+    assert code == 0
 
 
 def test_tensor_parallel_size_is_checked() -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import signal
 import socket
 import subprocess
 import time
@@ -28,3 +29,14 @@ def wait_healthy(proc: subprocess.Popen[str], url: str, timeout: float = 90) -> 
             pass
         assert time.monotonic() < deadline, "server did not come up"
         time.sleep(0.2)
+
+
+def stop(proc: subprocess.Popen[str], sig: int = signal.SIGINT, timeout: float = 60) -> int:
+    """Sends ``sig`` and waits for the exit (killing the process after ``timeout`` seconds);
+    returns its exit status."""
+    proc.send_signal(sig)
+    try:
+        return proc.wait(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        return proc.wait()

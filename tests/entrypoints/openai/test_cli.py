@@ -9,7 +9,6 @@ import dataclasses
 import gc
 import importlib.util
 import os
-import signal
 import socket
 import subprocess
 import sys
@@ -17,7 +16,7 @@ from pathlib import Path
 
 import httpx
 import pytest
-from helpers.server_process import free_port, wait_healthy
+from helpers.server_process import free_port, stop, wait_healthy
 
 from vllm.engine.arg_utils import EngineArgs
 from vllm.engine.cli_args import FlexibleArgumentParser
@@ -120,13 +119,8 @@ def test_vllm_serve_starts_and_stops() -> None:
         )
         assert r.status_code == 200 and r.json()["model"] == "alias"
     finally:
-        proc.send_signal(signal.SIGINT)
-        try:
-            proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
-    assert proc.returncode == 0
+        code = stop(proc, timeout=30)
+    assert code == 0
 
 
 def test_every_engine_field_has_a_flag() -> None:
