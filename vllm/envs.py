@@ -140,13 +140,6 @@ _VARIABLES: tuple[EnvVar, ...] = (
         "users get.",
     ),
     EnvVar(
-        "VLLM_PDL",
-        True,
-        _flag,
-        "Programmatic dependent launch of the decode step's Triton kernels on GPUs of "
-        "compute capability 9.0 and up (0: every kernel waits for the one before it to end).",
-    ),
-    EnvVar(
         "TRITON_INTERPRET",
         False,
         _flag,
@@ -170,7 +163,6 @@ if TYPE_CHECKING:
     VLLM_IMAGE_FETCH_TIMEOUT: float
     VLLM_IMAGE_FETCH_MAX_BYTES: int
     VLLM_IMAGE_MAX_PIXELS: int
-    VLLM_PDL: bool
     TRITON_INTERPRET: bool
     OPENAI_API_KEY: str | None
 

@@ -28,10 +28,6 @@ COMMANDS = {
         "benchmarks.kernels.fp8",
         "the FP8 linears of a text layer: Triton FP8 GEMM vs bf16, scratch, _scaled_mm",
     ),
-    "pdl": (
-        "benchmarks.kernels.pdl",
-        "dependent launch on a chain of FP8 text layers: off and its variants",
-    ),
     "sass": (
         "benchmarks.kernels.sass",
         "instruction mix of the FP8 / NF4 GEMMs' K loop in sm_90 SASS (built on the host)",

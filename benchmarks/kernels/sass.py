@@ -116,14 +116,14 @@ def fp8_loop(
 ) -> tuple[LoopMix, int]:
     """The FP8 GEMM's K loop for bf16 activations, and the weight values a thread converts
     per iteration."""
-    from vllm.model_executor.layers import fp8_gemm, pdl
+    from vllm.model_executor.layers import fp8_gemm
 
     types = {"x_ptr": "*bf16", "w_ptr": "*fp8e4nv", "s_ptr": "*fp32", "y_ptr": "*bf16"}
     types.update(p_ptr="*fp32", c_ptr="*i32", **_SIZES)
     consts: dict[str, object] = dict(
         K=K, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, SPLIT_K=split_k, DOT_F32=False
     )
-    consts.update(SILU_MUL=silu, PTX=True, PREFETCH=pdl.prefetch_bytes(K // split_k), PDL=True)
+    consts.update(SILU_MUL=silu, PTX=True)
     if swap:
         fn = fp8_gemm._fp8_swap_kernel
     else:
@@ -144,7 +144,7 @@ def nf4_loop(
 ) -> tuple[LoopMix, int]:
     """The NF4 table kernel's K loop for bf16 activations (blocksize 64, nested scales, a
     three-shard weight), and the weight values a thread looks up per iteration."""
-    from vllm.model_executor.layers import nf4_gemm, pdl
+    from vllm.model_executor.layers import nf4_gemm
 
     types = {"x_ptr": "*bf16", "w_ptr": "*u8", "s_ptr": "*u8", "code_ptr": "*fp32"}
     types.update(n2_ptr="*fp32", nc_ptr="*fp32", sh_ptr="*i32", off_ptr="*fp32")
@@ -153,8 +153,7 @@ def nf4_loop(
         K=K, BLOCKSIZE=64, NESTED=True, NUM_SHARDS=3, BLOCK_M=block_m, BLOCK_N=block_n
     )
     consts.update(BLOCKS_PER_ITER=blocks_per_iter, SPLIT_K=split_k, DOT_F32=False)
-    consts.update(EXACT_BF16=False, EXACT_MUL=True, SILU_MUL=silu, PTX=True, PDL=True)
-    consts["PREFETCH"] = pdl.prefetch_bytes(K // 2 // split_k)
+    consts.update(EXACT_BF16=False, EXACT_MUL=True, SILU_MUL=silu, PTX=True)
     sass = compile_sass(nf4_gemm._nf4_table_kernel, types, consts, num_warps, num_stages)
     values = block_n * blocks_per_iter * 64 * (2 if silu else 1) // (32 * num_warps)
     return k_loop(sass), values

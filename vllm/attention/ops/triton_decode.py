@@ -29,8 +29,6 @@ import torch
 import triton
 import triton.language as tl
 
-from vllm.model_executor.layers import pdl
-
 LOG2E = 1.4426950408889634
 
 
@@ -137,14 +135,12 @@ def _decode_segment_kernel(
     NUM_SEGMENTS: tl.constexpr,
     MIN_CHUNK: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
-    PDL: tl.constexpr,
 ):
     """Grid (NUM_SEGMENTS, num_kv_heads, batch): one segment of one (sequence, KV head).
 
     Writes the segment's unnormalised output and its (max, sum) for every query head of the
     group into the workspace row ``[b, head, seg]``; inactive segments write nothing.
     """
-    pdl.begin(PDL)
     seg = tl.program_id(0)
     kvh = tl.program_id(1)
     b = tl.program_id(2)
@@ -215,7 +211,6 @@ def _decode_combine_kernel(
     BLOCK_N: tl.constexpr,
     NUM_SEGMENTS: tl.constexpr,
     MIN_CHUNK: tl.constexpr,
-    PDL: tl.constexpr,
 ):
     """Grid (batch, num_heads): merges the active segments of one (sequence, head).
 
@@ -224,7 +219,6 @@ def _decode_combine_kernel(
     block is reduced at once and folded into a running maximum, so a short KV costs one
     small step and a long one a few. The order depends on the length alone.
     """
-    pdl.begin(PDL)
     b = tl.program_id(0)
     h = tl.program_id(1)
     length = tl.load(seq_lens_ptr + b)
@@ -356,7 +350,6 @@ def paged_decode_attention(
         DOT_PRECISION=dot_precision(key_cache.dtype),
         num_warps=config.num_warps,
         num_stages=config.num_stages,
-        **pdl.launch_options(query.device),
     )
     _decode_combine_kernel[(b, num_heads)](
         workspace,
@@ -374,7 +367,6 @@ def paged_decode_attention(
         MIN_CHUNK=config.min_chunk,
         num_warps=config.combine_num_warps,
         num_stages=config.combine_num_stages,
-        **pdl.launch_options(query.device),
     )
     return out
 

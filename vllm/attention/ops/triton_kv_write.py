@@ -17,7 +17,6 @@ import torch
 import triton
 import triton.language as tl
 
-from vllm.model_executor.layers import pdl
 from vllm.model_executor.layers.fused_kernels import _rope_cos_sin, _rope_heads
 
 
@@ -43,10 +42,8 @@ def _kv_write_kernel(
     PAGE_SIZE: tl.constexpr,
     BLOCK_H: tl.constexpr,
     BLOCK_D: tl.constexpr,
-    PDL: tl.constexpr,
 ):
     """Grid (num_tokens,): token i's [num_kv_heads, head_dim] K and V rows."""
-    pdl.begin(PDL)
     i = tl.program_id(0).to(tl.int64)
     slot = tl.load(slot_mapping_ptr + i).to(tl.int64)
     offs_h = tl.arange(0, BLOCK_H)
@@ -123,7 +120,6 @@ def write_kv_cache(
         BLOCK_H=triton.next_power_of_2(num_kv_heads),
         BLOCK_D=triton.next_power_of_2(head_dim),
         num_warps=num_warps,
-        **pdl.launch_options(key.device),
     )
 
 
@@ -155,11 +151,9 @@ def _rope_kv_write_kernel(
     PAGE_SIZE: tl.constexpr,
     BLOCK_QH: tl.constexpr,
     BLOCK_KH: tl.constexpr,
-    PDL: tl.constexpr,
 ):
     """Grid (num_tokens,): rotates token i's q and k heads in place (the arithmetic of
     ``rotary_inplace``), then writes the rotated k and the v rows into the token's slot."""
-    pdl.begin(PDL)
     i = tl.program_id(0).to(tl.int64)
     cos, sin = _rope_cos_sin(pos_ptr, i, cos_ptr, sin_ptr, stride_cos, HALF)
     d = tl.arange(0, HALF)
@@ -231,5 +225,4 @@ def rope_and_write_kv_cache(
         BLOCK_QH=triton.next_power_of_2(num_q_heads),
         BLOCK_KH=triton.next_power_of_2(num_kv_heads),
         num_warps=num_warps,
-        **pdl.launch_options(key.device),
     )

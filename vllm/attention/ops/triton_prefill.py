@@ -19,7 +19,6 @@ import triton
 import triton.language as tl
 
 from vllm.attention.ops.triton_decode import LOG2E, dot_precision, online_softmax_update
-from vllm.model_executor.layers import pdl
 
 
 @dataclass(frozen=True)
@@ -80,7 +79,6 @@ def _ranged_cross_kernel(
     BLOCK_D: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     NUM_SPLITS: tl.constexpr,
-    PDL: tl.constexpr,
 ):
     """Grid (query tiles, query heads, key splits) over all packed text tokens of the step.
 
@@ -88,7 +86,6 @@ def _ranged_cross_kernel(
     ``j``-th of NUM_SPLITS equal BLOCK_N-aligned parts of the tile's key union and writes its
     unnormalised fp32 accumulator and (max, sum) to the workspace for ``_split_combine_kernel``.
     """
-    pdl.begin(PDL)
     tile = tl.program_id(0)
     h = tl.program_id(1)
     kvh = h // GROUP
@@ -162,11 +159,9 @@ def _split_combine_kernel(
     BLOCK_M: tl.constexpr,
     BLOCK_D: tl.constexpr,
     NUM_SPLITS: tl.constexpr,
-    PDL: tl.constexpr,
 ):
     """Grid (query tiles, query heads): merges the splits' partial softmax states in a fixed
     order (split 0 first). Queries no split saw (l = 0 everywhere) get exact zeros."""
-    pdl.begin(PDL)
     tile = tl.program_id(0)
     h = tl.program_id(1)
     heads = tl.num_programs(1)
@@ -267,14 +262,13 @@ def ranged_cross_attention(
         NUM_SPLITS=num_splits,
         num_warps=cfg.num_warps,
         num_stages=cfg.num_stages,
-        **pdl.launch_options(query.device),
     )
     if num_splits > 1:
         block_m = 16
         _split_combine_kernel[(triton.cdiv(num_tokens, block_m), num_heads)](
             part, stats, out, num_tokens, out.stride(0), out.stride(1), HEAD_DIM=head_dim,
             BLOCK_M=block_m, BLOCK_D=max(16, triton.next_power_of_2(head_dim)),
-            NUM_SPLITS=num_splits, num_warps=4, **pdl.launch_options(query.device))
+            NUM_SPLITS=num_splits, num_warps=4)
     return out
 
 

@@ -38,7 +38,6 @@ import triton
 import triton.language as tl
 
 from vllm import envs
-from vllm.model_executor.layers import pdl
 from vllm.model_executor.layers.nf4_gemm import _round_to
 from vllm.model_executor.layers.skinny_gemm import _dot_acc
 from vllm.model_executor.layers.split_k import arrive_last, reset_counter, sum_partials, tile_count
@@ -101,32 +100,16 @@ def _program_tile(M, N, K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.cons
 
 
 @triton.jit
-def _weights_first(w_ptr, cols, N, K: tl.constexpr, k0, PREFETCH: tl.constexpr,
-                   SILU_MUL: tl.constexpr, PDL: tl.constexpr):
-    # The start of a GEMM program under dependent launch (``pdl.py``): the next kernel may
-    # start, this program's first PREFETCH bytes of each weight row (gate and up) go to L2,
-    # then the wait for the kernel that wrote x.
-    pdl.trigger_early(PDL)
-    safe = tl.minimum(cols, N - 1)  # in bounds: a ragged tile's rows past N are never read
-    pdl.prefetch_rows(w_ptr + safe.to(tl.int64) * K + k0, PREFETCH, PDL)
-    if SILU_MUL:
-        pdl.prefetch_rows(w_ptr + (safe + N).to(tl.int64) * K + k0, PREFETCH, PDL)
-    pdl.wait(PDL)
-
-
-@triton.jit
 def _fp8_gemm_kernel(x_ptr, w_ptr, s_ptr, y_ptr, p_ptr, M, N, x_stride, y_stride,
                      K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                      BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr, CUDA_CORES: tl.constexpr,
-                     DOT_F32: tl.constexpr, SILU_MUL: tl.constexpr, PTX: tl.constexpr,
-                     PREFETCH: tl.constexpr, PDL: tl.constexpr):
+                     DOT_F32: tl.constexpr, SILU_MUL: tl.constexpr, PTX: tl.constexpr):
     # Row blocks vary fastest: the programs converting one weight tile run back to back.
     # Program (m, n, s) sums K range [s * K / SPLIT_K, (s + 1) * K / SPLIT_K) of its tile.
     # SILU_MUL: weight rows [0, N) are gate, [N, 2N) up.
     pid_m, pid_n, pid_k, rows, cols, row_ok, col_ok, ks = _program_tile(
         M, N, K, BLOCK_M, BLOCK_N, BLOCK_K, SPLIT_K)
     per_split: tl.constexpr = K // SPLIT_K
-    _weights_first(w_ptr, cols, N, K, pid_k * per_split, PREFETCH, SILU_MUL, PDL)
     x_ptrs = x_ptr + rows.to(tl.int64)[:, None] * x_stride + ks[None, :]
     w_ptrs = w_ptr + cols.to(tl.int64)[:, None] * K + ks[None, :]
     u_ptrs = w_ptr + (cols + N).to(tl.int64)[:, None] * K + ks[None, :]
@@ -159,7 +142,6 @@ def _fp8_gemm_kernel(x_ptr, w_ptr, s_ptr, y_ptr, p_ptr, M, N, x_stride, y_stride
                 u_ptrs += BLOCK_K
             x_ptrs += BLOCK_K
             w_ptrs += BLOCK_K
-    pdl.trigger_late(PDL)
     _finish(acc, acc_u, s_ptr, y_ptr, p_ptr, rows, cols, row_ok, col_ok, M, N, y_stride, pid_k,
             dt, SPLIT_K, SILU_MUL)
 
@@ -168,8 +150,7 @@ def _fp8_gemm_kernel(x_ptr, w_ptr, s_ptr, y_ptr, p_ptr, M, N, x_stride, y_stride
 def _fp8_swap_kernel(x_ptr, w_ptr, s_ptr, y_ptr, p_ptr, c_ptr, M, N, x_stride, y_stride,
                      K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                      BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr, DOT_F32: tl.constexpr,
-                     SILU_MUL: tl.constexpr, PTX: tl.constexpr, PREFETCH: tl.constexpr,
-                     PDL: tl.constexpr):
+                     SILU_MUL: tl.constexpr, PTX: tl.constexpr):
     # Tensor cores with the roles swapped: the converted weight tile [BLOCK_N, BLOCK_K] is the
     # dot's first operand and x^T [BLOCK_K, BLOCK_M] the second, so a decode step's few rows
     # fill the dot's narrow side. Grid and K ranges as ``_fp8_gemm_kernel``; a K split is
@@ -177,7 +158,6 @@ def _fp8_swap_kernel(x_ptr, w_ptr, s_ptr, y_ptr, p_ptr, c_ptr, M, N, x_stride, y
     pid_m, pid_n, pid_k, rows, cols, row_ok, col_ok, ks = _program_tile(
         M, N, K, BLOCK_M, BLOCK_N, BLOCK_K, SPLIT_K)
     per_split: tl.constexpr = K // SPLIT_K
-    _weights_first(w_ptr, cols, N, K, pid_k * per_split, PREFETCH, SILU_MUL, PDL)
     xt_ptrs = x_ptr + rows.to(tl.int64)[None, :] * x_stride + ks[:, None]
     w_ptrs = w_ptr + cols.to(tl.int64)[:, None] * K + ks[None, :]
     u_ptrs = w_ptr + (cols + N).to(tl.int64)[:, None] * K + ks[None, :]
@@ -194,7 +174,6 @@ def _fp8_swap_kernel(x_ptr, w_ptr, s_ptr, y_ptr, p_ptr, c_ptr, M, N, x_stride, y
             u_ptrs += BLOCK_K
         xt_ptrs += BLOCK_K
         w_ptrs += BLOCK_K
-    pdl.trigger_late(PDL)
     out = tl.trans(acc)
     out_u = tl.trans(acc_u)
     if SPLIT_K == 1:
@@ -298,10 +277,8 @@ def _convert(w, dt: tl.constexpr, F32: tl.constexpr, PTX: tl.constexpr, PACK: tl
 
 @triton.jit
 def _split_reduce_kernel(p_ptr, s_ptr, y_ptr, M, N, y_stride, SPLIT_K: tl.constexpr,
-                         SILU_MUL: tl.constexpr, BLOCK: tl.constexpr, DT: tl.constexpr,
-                         PDL: tl.constexpr):
+                         SILU_MUL: tl.constexpr, BLOCK: tl.constexpr, DT: tl.constexpr):
     # y = epilogue(sum over splits, in split order, of the partial sums).
-    pdl.begin(PDL)
     i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     ok = i < M * N
     m = (i // N).to(tl.int64)
@@ -526,22 +503,20 @@ def _launch(
         width = 2 * n if silu_mul else n
         partial = torch.empty((cfg.split_k, m, width), dtype=torch.float32, device=x.device)
     grid = (triton.cdiv(m, cfg.block_m), triton.cdiv(n, cfg.block_n), cfg.split_k)
-    launch = pdl.launch_options(x.device)
     _fp8_gemm_kernel[grid](
         x, fw.weight, fw.scale, y, partial,
         m, n, x.stride(0), y.stride(0),
         K=k, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
         SPLIT_K=cfg.split_k, CUDA_CORES=cfg.cuda_cores,
         DOT_F32=_INTERPRETED or x.dtype == torch.float32, SILU_MUL=silu_mul,
-        PTX=not _INTERPRETED, PREFETCH=pdl.prefetch_bytes(k // cfg.split_k),
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **launch,
+        PTX=not _INTERPRETED, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )  # fmt: skip
     if cfg.split_k > 1:
         block = 1024
         _split_reduce_kernel[(triton.cdiv(m * n, block),)](
             partial, fw.scale, y, m, n, y.stride(0),
             SPLIT_K=cfg.split_k, SILU_MUL=silu_mul, BLOCK=block, DT=_triton_dtype(x.dtype),
-            num_warps=4, **launch,
+            num_warps=4,
         )  # fmt: skip
     return y
 
@@ -565,8 +540,8 @@ def _launch_swapped(
         m, n, x.stride(0), y.stride(0),
         K=k, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
         SPLIT_K=cfg.split_k, DOT_F32=_INTERPRETED or x.dtype == torch.float32,
-        SILU_MUL=silu_mul, PTX=not _INTERPRETED, PREFETCH=pdl.prefetch_bytes(k // cfg.split_k),
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl.launch_options(x.device),
+        SILU_MUL=silu_mul, PTX=not _INTERPRETED, num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages,
     )  # fmt: skip
     return y
 

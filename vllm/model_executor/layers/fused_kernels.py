@@ -12,14 +12,11 @@ import torch
 import triton
 import triton.language as tl
 
-from vllm.model_executor.layers import pdl
-
 
 @triton.jit
 def _rms_norm_kernel(x_ptr, res_ptr, w_ptr, out_ptr, gate_ptr, mask_ptr, n_cols, x_stride,
                      res_stride, out_stride, mask_stride, eps, HAS_RESIDUAL: tl.constexpr,
-                     HAS_GATE: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr):
-    pdl.begin(PDL)
+                     HAS_GATE: tl.constexpr, BLOCK: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)  # row * stride can pass 2^31 (long prefills)
     cols = tl.arange(0, BLOCK)
     mask = cols < n_cols
@@ -57,15 +54,13 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
     _rms_norm_kernel[(n,)](x, res, weight, out, gate if has_gate else x, mask, h, x.stride(0),
                            res.stride(0), out.stride(0), mask.stride(0) if has_gate else 0,
                            eps, HAS_RESIDUAL=residual is not None, HAS_GATE=has_gate,
-                           BLOCK=block, num_warps=min(max(block // 256, 1), 16),
-                           **pdl.launch_options(x.device))
+                           BLOCK=block, num_warps=min(max(block // 256, 1), 16))
     return out
 
 
 @triton.jit
 def _gate_rows_kernel(x_ptr, gate_ptr, mask_ptr, out_ptr, n_cols, x_stride, out_stride,
-                      mask_stride, BLOCK: tl.constexpr, PDL: tl.constexpr):
-    pdl.begin(PDL)
+                      mask_stride, BLOCK: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)  # row * stride can pass 2^31 (long prefills)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     m = cols < n_cols
@@ -83,15 +78,12 @@ def gate_rows(x: torch.Tensor, gate: torch.Tensor, row_mask: torch.Tensor) -> to
     mask = row_mask.view(torch.uint8)
     block = 1024
     _gate_rows_kernel[(n, triton.cdiv(h, block))](x, gate, mask, out, h, x.stride(0),
-                                                  out.stride(0), mask.stride(0), BLOCK=block,
-                                                  **pdl.launch_options(x.device))
+                                                  out.stride(0), mask.stride(0), BLOCK=block)
     return out
 
 
 @triton.jit
-def _silu_and_mul_kernel(x_ptr, out_ptr, d, x_stride, out_stride, BLOCK: tl.constexpr,
-                         PDL: tl.constexpr):
-    pdl.begin(PDL)
+def _silu_and_mul_kernel(x_ptr, out_ptr, d, x_stride, out_stride, BLOCK: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)  # row * stride can pass 2^31 (long prefills)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < d
@@ -108,7 +100,7 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     out = torch.empty(n, d, dtype=x.dtype, device=x.device)
     block = 1024
     _silu_and_mul_kernel[(n, triton.cdiv(d, block))](x, out, d, x.stride(0), out.stride(0),
-                                                     BLOCK=block, **pdl.launch_options(x.device))
+                                                     BLOCK=block)
     return out
 
 
@@ -146,8 +138,7 @@ def _rope_cos_sin(pos_ptr, tok, cos_ptr, sin_ptr, cache_stride, HALF: tl.constex
 @triton.jit
 def _rope_kernel(q_ptr, k_ptr, pos_ptr, cos_ptr, sin_ptr, q_stride, k_stride, cache_stride,
                  num_q_heads, num_k_heads, HALF: tl.constexpr, HEAD_DIM: tl.constexpr,
-                 BLOCK_H: tl.constexpr, PDL: tl.constexpr):
-    pdl.begin(PDL)
+                 BLOCK_H: tl.constexpr):
     tok = tl.program_id(0).to(tl.int64)  # tok * stride can pass 2^31 (long prefills)
     cos, sin = _rope_cos_sin(pos_ptr, tok, cos_ptr, sin_ptr, cache_stride, HALF)
     _rope_heads(q_ptr + tok * q_stride, num_q_heads, cos, sin, HALF, HEAD_DIM, BLOCK_H)
@@ -163,8 +154,7 @@ def rotary_inplace(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
     nk = k.shape[1] // head_dim
     _rope_kernel[(t,)](q, k, positions, cos_cache, sin_cache, q.stride(0), k.stride(0),
                        cos_cache.stride(0), nq, nk, HALF=head_dim // 2, HEAD_DIM=head_dim,
-                       BLOCK_H=triton.next_power_of_2(max(nq, nk)),
-                       **pdl.launch_options(q.device))
+                       BLOCK_H=triton.next_power_of_2(max(nq, nk)))
 
 
 @triton.jit
@@ -195,8 +185,7 @@ def _rounded(v, dt: tl.constexpr):
 def _add_layer_norm_kernel(x_ptr, d_ptr, g_ptr, w_ptr, b_ptr, sum_ptr, out_ptr, n_cols,
                            x_stride, d_stride, s_stride, o_stride, eps,
                            HAS_DELTA: tl.constexpr, HAS_GATE: tl.constexpr,
-                           BLOCK: tl.constexpr, PDL: tl.constexpr):
-    pdl.begin(PDL)
+                           BLOCK: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)  # row * stride can pass 2^31 (long prefills)
     cols = tl.arange(0, BLOCK)
     m = cols < n_cols
@@ -237,8 +226,7 @@ def add_layer_norm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, ep
     _add_layer_norm_kernel[(x2.shape[0],)](
         x2, d2, gate if gate is not None else x2, weight, bias, s, out, h, x2.stride(0),
         d2.stride(0), s.stride(0), out.stride(0), eps, HAS_DELTA=delta is not None,
-        HAS_GATE=gate is not None, BLOCK=block, num_warps=min(max(block // 256, 1), 16),
-        **pdl.launch_options(x2.device))
+        HAS_GATE=gate is not None, BLOCK=block, num_warps=min(max(block // 256, 1), 16))
     if sum_out is not None or norm_out is not None:
         return s, out
     return s.view(x.shape), out.view(x.shape)

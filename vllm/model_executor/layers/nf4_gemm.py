@@ -45,7 +45,6 @@ import triton
 import triton.language as tl
 
 from vllm import envs
-from vllm.model_executor.layers import pdl
 from vllm.model_executor.layers.tuned_configs import TunedTables
 
 # Triton reads the flag when kernels are defined, so once at import is enough.
@@ -222,8 +221,7 @@ def _nf4_gemm_kernel(x_ptr, w_ptr, s_ptr, code_ptr, n2_ptr, nc_ptr, sh_ptr, off_
                      K: tl.constexpr, BLOCKSIZE: tl.constexpr, NESTED: tl.constexpr,
                      NUM_SHARDS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                      BLOCKS_PER_ITER: tl.constexpr, SPLIT_K: tl.constexpr,
-                     EXACT_BF16: tl.constexpr, EXACT_MUL: tl.constexpr, SILU_MUL: tl.constexpr,
-                     PREFETCH: tl.constexpr, PDL: tl.constexpr):
+                     EXACT_BF16: tl.constexpr, EXACT_MUL: tl.constexpr, SILU_MUL: tl.constexpr):
     # Row blocks vary fastest: the programs dequantizing one weight tile run back to back.
     # Program (m, n, s) sums the scale blocks [s * KB / SPLIT_K, (s + 1) * KB / SPLIT_K) of
     # its tile; with SPLIT_K > 1 it writes float32 partial sums ([SPLIT_K, M, N], twice N
@@ -233,10 +231,9 @@ def _nf4_gemm_kernel(x_ptr, w_ptr, s_ptr, code_ptr, n2_ptr, nc_ptr, sh_ptr, off_
     (pid_m, pid_n, pid_k, rows, cols, row_ok, col_ok, start, base, offset, start_u, base_u,
      offset_u) = _program_tile(sh_ptr, off_ptr, M, N, NESTED, NUM_SHARDS, BLOCK_M, BLOCK_N,
                                SILU_MUL)
-    per_split: tl.constexpr = K // BLOCKSIZE // SPLIT_K
-    _weights_first(w_ptr, cols, N, K, pid_k * per_split * HALF, PREFETCH, SILU_MUL, PDL)
     acc3 = tl.zeros((BLOCK_M, BLOCK_N, HALF), dtype=tl.float32)
     acc3_u = tl.zeros((BLOCK_M, BLOCK_N, HALF), dtype=tl.float32)
+    per_split: tl.constexpr = K // BLOCKSIZE // SPLIT_K
     j0 = pid_k * per_split
     for jj in range(0, per_split, BLOCKS_PER_ITER):
         for r in tl.static_range(BLOCKS_PER_ITER):
@@ -249,23 +246,8 @@ def _nf4_gemm_kernel(x_ptr, w_ptr, s_ptr, code_ptr, n2_ptr, nc_ptr, sh_ptr, off_
                                         code_ptr, n2_ptr, nc_ptr, cols + N, col_ok, start_u,
                                         base_u, offset_u, j, K, BLOCKSIZE, NESTED, EXACT_BF16,
                                         EXACT_MUL)
-    pdl.trigger_late(PDL)
     _store_output(tl.sum(acc3, axis=2), tl.sum(acc3_u, axis=2), y_ptr, p_ptr, rows, cols, row_ok,
                   col_ok, M, N, y_stride, pid_k, x_ptr.dtype.element_ty, SPLIT_K, SILU_MUL)
-
-
-@triton.jit
-def _weights_first(w_ptr, cols, N, K: tl.constexpr, byte0, PREFETCH: tl.constexpr,
-                   SILU_MUL: tl.constexpr, PDL: tl.constexpr):
-    # The start of a GEMM program under dependent launch (``pdl.py``): the next kernel may
-    # start, this program's first PREFETCH bytes of each packed weight row (gate and up) go
-    # to L2, then the wait for the kernel that wrote x.
-    pdl.trigger_early(PDL)
-    safe = tl.minimum(cols, N - 1)  # in bounds: a ragged tile's rows past N are never read
-    pdl.prefetch_rows(w_ptr + safe.to(tl.int64) * (K // 2) + byte0, PREFETCH, PDL)
-    if SILU_MUL:
-        pdl.prefetch_rows(w_ptr + (safe + N).to(tl.int64) * (K // 2) + byte0, PREFETCH, PDL)
-    pdl.wait(PDL)
 
 
 @triton.jit
@@ -443,18 +425,15 @@ def _nf4_table_kernel(x_ptr, w_ptr, s_ptr, code_ptr, n2_ptr, nc_ptr, sh_ptr, off
                       NUM_SHARDS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                       BLOCKS_PER_ITER: tl.constexpr, SPLIT_K: tl.constexpr,
                       DOT_F32: tl.constexpr, EXACT_BF16: tl.constexpr, EXACT_MUL: tl.constexpr,
-                      SILU_MUL: tl.constexpr, PTX: tl.constexpr, PREFETCH: tl.constexpr,
-                      PDL: tl.constexpr):
+                      SILU_MUL: tl.constexpr, PTX: tl.constexpr):
     # The tensor-core GEMM on table lookups (``_table_product``); a decode step's few rows are
     # padded to the dot's 16. Grid, K split and partial sums as ``_nf4_gemm_kernel``.
     (pid_m, pid_n, pid_k, rows, cols, row_ok, col_ok, start, base, offset, start_u, base_u,
      offset_u) = _program_tile(sh_ptr, off_ptr, M, N, NESTED, NUM_SHARDS, BLOCK_M, BLOCK_N,
                                SILU_MUL)
-    per_split: tl.constexpr = K // BLOCKSIZE // SPLIT_K
-    _weights_first(w_ptr, cols, N, K, pid_k * per_split * (BLOCKSIZE // 2), PREFETCH, SILU_MUL,
-                   PDL)
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     acc_u = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    per_split: tl.constexpr = K // BLOCKSIZE // SPLIT_K
     for jj in range(0, per_split, BLOCKS_PER_ITER):
         j0 = pid_k * per_split + jj
         acc = _table_product(acc, x_ptr, x_stride, rows, row_ok, w_ptr, s_ptr, code_ptr,
@@ -466,17 +445,14 @@ def _nf4_table_kernel(x_ptr, w_ptr, s_ptr, code_ptr, n2_ptr, nc_ptr, sh_ptr, off
                                    code_ptr, n2_ptr, nc_ptr, cols + N, col_ok, start_u, base_u,
                                    offset_u, j0, K, BLOCKSIZE, NESTED, BLOCKS_PER_ITER,
                                    BLOCK_N, DOT_F32, EXACT_BF16, EXACT_MUL, PTX)
-    pdl.trigger_late(PDL)
     _store_output(acc, acc_u, y_ptr, p_ptr, rows, cols, row_ok, col_ok, M, N, y_stride, pid_k,
                   x_ptr.dtype.element_ty, SPLIT_K, SILU_MUL)
 
 
 @triton.jit
 def _split_reduce_kernel(p_ptr, y_ptr, M, N, y_stride, SPLIT_K: tl.constexpr,
-                         SILU_MUL: tl.constexpr, BLOCK: tl.constexpr, DT: tl.constexpr,
-                         PDL: tl.constexpr):
+                         SILU_MUL: tl.constexpr, BLOCK: tl.constexpr, DT: tl.constexpr):
     # y = epilogue(sum over splits, in split order, of the partial sums).
-    pdl.begin(PDL)
     i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     ok = i < M * N
     m = (i // N).to(tl.int64)
@@ -702,7 +678,6 @@ def _launch(
     if not cfg.serves(m):
         raise ValueError(f"{cfg}: at most {MAX_ROWS} rows a tile")
     grid = (triton.cdiv(m, cfg.block_m), triton.cdiv(n, cfg.block_n), cfg.split_k)
-    launch = pdl.launch_options(x.device)
     if cfg.table:
         _launch_table(x, qw, cfg, grid, y, partial, n, silu_mul)
     else:
@@ -712,15 +687,14 @@ def _launch(
             K=k, BLOCKSIZE=qw.blocksize, NESTED=qw.nested, NUM_SHARDS=_num_shards(qw),
             BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCKS_PER_ITER=cfg.blocks_per_iter,
             SPLIT_K=cfg.split_k, EXACT_BF16=_INTERPRETED, EXACT_MUL=not _INTERPRETED,
-            SILU_MUL=silu_mul, PREFETCH=pdl.prefetch_bytes(k // 2 // cfg.split_k),
-            num_warps=cfg.num_warps, num_stages=cfg.num_stages, **launch,
+            SILU_MUL=silu_mul, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
         )  # fmt: skip
     if cfg.split_k > 1:
         block = 1024
         _split_reduce_kernel[(triton.cdiv(m * n, block),)](
             partial, y, m, n, y.stride(0),
             SPLIT_K=cfg.split_k, SILU_MUL=silu_mul, BLOCK=block,
-            DT=_TL_DTYPES[x.dtype], num_warps=4, **launch,
+            DT=_TL_DTYPES[x.dtype], num_warps=4,
         )  # fmt: skip
     return y
 
@@ -746,8 +720,7 @@ def _launch_table(
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCKS_PER_ITER=cfg.blocks_per_iter,
         SPLIT_K=cfg.split_k, DOT_F32=_INTERPRETED, EXACT_BF16=_INTERPRETED,
         EXACT_MUL=not _INTERPRETED, SILU_MUL=silu_mul, PTX=not _INTERPRETED,
-        PREFETCH=pdl.prefetch_bytes(qw.shape[1] // 2 // cfg.split_k),
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **pdl.launch_options(x.device),
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )  # fmt: skip
 
 

@@ -26,7 +26,6 @@ import triton
 import triton.language as tl
 
 from vllm import envs
-from vllm.model_executor.layers import pdl
 
 # Triton reads the flag when kernels are defined, so once at import is enough.
 _INTERPRETED = envs.TRITON_INTERPRET
@@ -43,8 +42,7 @@ def _dot_acc(acc, x, w, DOT_F32: tl.constexpr):
 def _skinny_gemm_kernel(x_ptr, w_ptr, y_ptr, M, N, x_stride, w_stride, y_stride,
                         K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                         BLOCK_K: tl.constexpr, DOT_F32: tl.constexpr,
-                        SILU_MUL: tl.constexpr = False, PREFETCH: tl.constexpr = 0,
-                        PDL: tl.constexpr = 0):
+                        SILU_MUL: tl.constexpr = False):
     # Row blocks vary fastest: the programs reading one weight tile run back to back.
     # SILU_MUL: the weight is gate (rows [0, N)) | up (rows [N, 2N)); a program accumulates
     # both tiles of its columns and writes silu(gate) * up, each rounded as the separate
@@ -59,14 +57,6 @@ def _skinny_gemm_kernel(x_ptr, w_ptr, y_ptr, M, N, x_stride, w_stride, y_stride,
     x_ptrs = x_ptr + rows[:, None].to(tl.int64) * x_stride + ks[None, :]
     w_ptrs = w_ptr + cols[:, None].to(tl.int64) * w_stride + ks[None, :]
     u_ptrs = w_ptrs + N * w_stride
-    # Under dependent launch (``pdl.py``) the first weight bytes go to L2 before the wait for
-    # the kernel that wrote x.
-    pdl.trigger_early(PDL)
-    safe = tl.minimum(cols, N - 1).to(tl.int64)  # a ragged tile's rows past N are never read
-    pdl.prefetch_rows(w_ptr + safe * w_stride, PREFETCH, PDL)
-    if SILU_MUL:
-        pdl.prefetch_rows(w_ptr + (safe + N) * w_stride, PREFETCH, PDL)
-    pdl.wait(PDL)
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     acc_u = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     # K is a multiple of BLOCK_K (checked by the caller): no K masks in the loop.
@@ -80,7 +70,6 @@ def _skinny_gemm_kernel(x_ptr, w_ptr, y_ptr, M, N, x_stride, w_stride, y_stride,
             u_ptrs += BLOCK_K
         x_ptrs += BLOCK_K
         w_ptrs += BLOCK_K
-    pdl.trigger_late(PDL)
     # Rounded to the input dtype first, like the reference (a 16-bit linear, then .float()).
     dt = x_ptr.dtype.element_ty
     if SILU_MUL:
@@ -207,7 +196,5 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, n: int, config: GemmConfig | 
     _skinny_gemm_kernel[grid](x, weight, y, m, n, x.stride(0), weight.stride(0), y.stride(0),
                               K=k, DOT_F32=_INTERPRETED, SILU_MUL=silu_mul,
                               BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
-                              PREFETCH=pdl.prefetch_bytes(k * weight.element_size()),
-                              num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-                              **pdl.launch_options(x.device))
+                              num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     return y
