@@ -13,7 +13,13 @@ from collections.abc import Callable
 
 import torch
 
-from benchmarks.common import cross_kv_projections, decode_weights, event_ms, hf_weight_source
+from benchmarks.common import (
+    cross_kv_projections,
+    decode_weights,
+    event_ms,
+    fastest_sdpa,
+    hf_weight_source,
+)
 
 
 def graph_ms(fn: Callable[[], object], calls: int = 20) -> float:
@@ -70,14 +76,10 @@ def _vision_attention_ms(q, k, vv, valid: int, tokens: int) -> tuple[float, floa
     """(maskless attention, padding rows by SDPA, padding rows at the faster of SDPA and the
     split kernel) ms per vision layer."""
     import torch.nn.functional as F
-    from torch.nn.attention import SDPBackend, sdpa_kernel
 
     from vllm.attention.ops.vision_attention import padding_rows_attention, padding_rows_ranges
 
-    with sdpa_kernel(
-        [SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION],
-        set_priority=True,
-    ):
+    with fastest_sdpa():
         attn = event_ms(lambda: F.scaled_dot_product_attention(q, k, vv))
         pad = (
             event_ms(

@@ -10,13 +10,19 @@ a time, greedy:
   the median of ``--iters`` after a warm-up one, against its floor: 2 x the linear
   parameters each text token goes through x N at cuBLAS's measured bf16 rate (the self
   layers; with an image also the cross layers, which a text-only prompt skips), plus causal
-  self-attention over N at SDPA's measured rate, plus (image case) 2 x the parameters the
-  vision tokens go through (vision tower, projector, cross K/V) x their count at the same
-  GEMM rate. Limit: 1.3 x the floor.
+  self-attention over N at SDPA's measured rate, plus (image case) the vision tower: 2 x the
+  parameters the vision tokens go through (vision tower, projector, cross K/V) x their count
+  at the same GEMM rate and each encoder layer's attention over the image's tokens (all its
+  tiles, padding left out) at SDPA's measured rate. The text tokens' cross-attention to the
+  image is not in the floor. Limit: 1.3 x the floor.
 - decode ms/step at bs=1 with N tokens of context (8k, 32k, 128k) against the measured
   short-context step plus the request's KV bytes at the measured read bandwidth. Limit: 1.2x.
 
-    python -m benchmarks.engine long-context --out /tmp/long_context.json
+With ``--profile DIR`` the first image prompt's TTFT is also run once under torch.profiler
+(after its timed runs): ``DIR/ttft_<N>_image.txt`` lists its kernels by total CUDA time, with
+the step count and the GPU's busy time against the wall time.
+
+    python -m benchmarks.engine long-context --out /tmp/long_context.json [--profile DIR]
     python -m benchmarks.engine long-context --smoke --out /tmp/lc.json   # tiny model, CPU
 """
 
@@ -30,7 +36,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from benchmarks.common import EngineView, make_prompt, prefill_times_ms, sync
+from benchmarks.common import EngineView, fastest_sdpa, make_prompt, prefill_times_ms, sync
 from vllm import LLM, SamplingParams
 
 TTFT_LIMIT = 1.3
@@ -58,16 +64,33 @@ def gemm_flops_per_s(device: torch.device, dtype: torch.dtype, n: int) -> float:
     return 2 * n**3 / (ms * 1e-3)
 
 
-def sdpa_causal_ms(
-    tokens: int, heads: int, kv_heads: int, head_dim: int, device: torch.device, dtype: torch.dtype
+def sdpa_ms(
+    tokens: int,
+    heads: int,
+    kv_heads: int,
+    head_dim: int,
+    device: torch.device,
+    dtype: torch.dtype,
+    causal: bool = True,
 ) -> float:
-    """One layer's causal self-attention over ``tokens`` (SDPA, grouped keys expanded)."""
+    """One layer's self-attention over ``tokens`` (SDPA, grouped keys expanded)."""
     q = torch.randn(1, heads, tokens, head_dim, device=device, dtype=dtype)
     k = torch.randn(1, kv_heads, tokens, head_dim, device=device, dtype=dtype)
     v = torch.randn_like(k)
     rep = heads // kv_heads
     k, v = k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1)
-    return _timed_ms(lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True), 3)
+    return _timed_ms(lambda: F.scaled_dot_product_attention(q, k, v, is_causal=causal), 3)
+
+
+def vision_attention_ms(spec, tokens: int, device: torch.device, dtype: torch.dtype) -> float:
+    """The vision tower's attention for one image of ``tokens`` tokens: every encoder layer
+    (local and global) attends over all of them, at SDPA's rate without a mask (its fastest
+    kernel, as the image-prefill floor of ``floors.py`` takes it)."""
+    v = spec.vision
+    heads = v.attention_heads
+    with fastest_sdpa():
+        one = sdpa_ms(tokens, heads, heads, v.head_dim, device, dtype, causal=False)
+    return one * (v.num_hidden_layers + v.num_global_layers)
 
 
 def read_gb_s(device: torch.device, gib: float) -> float:
@@ -83,11 +106,18 @@ def linear_params(module: torch.nn.Module) -> int:
 
 
 def ttft_floor_ms(
-    model, spec, tokens: int, vision_tokens: int, gemm_rate: float, attention_ms: float
+    model,
+    spec,
+    tokens: int,
+    vision_tokens: int,
+    gemm_rate: float,
+    attention_ms: float,
+    vision_attention: float = 0.0,
 ) -> float:
-    """The linears each token goes through at ``gemm_rate`` plus causal self-attention. A
-    text-only prompt skips the cross layers; with an image their K/V projections (and the
-    vision tower, the projector) run on the vision tokens, the rest of them on the text."""
+    """The linears each token goes through at ``gemm_rate`` plus causal self-attention
+    (``attention_ms`` a self layer). A text-only prompt skips the cross layers; with an image
+    their K/V projections (and the vision tower, the projector) run on the vision tokens, the
+    rest of them on the text, and the tower's attention (``vision_attention`` ms) is added."""
     layers = model.language_model.model.layers
     cross = set(spec.text.cross_attention_layers)
     per_text = per_vision = 0
@@ -101,7 +131,8 @@ def ttft_floor_ms(
     if vision_tokens:
         per_vision += linear_params(model.vision_model) + linear_params(model.multi_modal_projector)
     gemm = 2 * (per_text * tokens + per_vision * vision_tokens)
-    return gemm / gemm_rate * 1e3 + (len(layers) - len(cross)) * attention_ms
+    attention = (len(layers) - len(cross)) * attention_ms
+    return gemm / gemm_rate * 1e3 + attention + (vision_attention if vision_tokens else 0.0)
 
 
 def decode_ms_per_step(llm: LLM, n_tokens: int, steps: int) -> float:
@@ -128,6 +159,33 @@ def decode_ms_per_step(llm: LLM, n_tokens: int, steps: int) -> float:
     return sorted(times)[len(times) // 2]
 
 
+def profile_ttft(llm: LLM, processed, path: Path) -> None:
+    """One TTFT of ``processed`` under torch.profiler: kernels by total CUDA time."""
+    from torch.profiler import ProfilerActivity, profile
+
+    engine, view = llm.llm_engine, EngineView(llm)
+    params = SamplingParams(temperature=0, max_tokens=1)
+    view.add_processed(f"profile-{time.perf_counter_ns()}", processed, params)
+    sync()
+    steps = 0
+    t0 = time.perf_counter()
+    cuda = torch.cuda.is_available()
+    with profile(activities=[ProfilerActivity.CUDA if cuda else ProfilerActivity.CPU]) as prof:
+        while engine.has_unfinished_requests():
+            engine.step()
+            steps += 1
+        sync()
+    wall = (time.perf_counter() - t0) * 1e3
+    kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    busy = sum(e.device_time for e in kernels) / 1e3
+    head = f"{steps} steps, wall {wall:.1f} ms (profiled), kernels {busy:.1f} ms\n"
+    table = prof.key_averages().table(
+        sort_by="cuda_time_total" if cuda else "cpu_time_total", row_limit=40
+    )
+    path.write_text(head + table)
+    print(head, end="")
+
+
 def no_flag_llm(model: str, smoke: bool) -> LLM:
     """The engine `vllm serve MODEL --load-format dummy` builds: EngineArgs' serving defaults
     (chunked prefill, the 2048-token budget, the model's whole context). The smoke run caps
@@ -142,6 +200,9 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> None:
     ap.add_argument("--decode-steps", type=int, default=32)
     ap.add_argument("--out", default=None, help="write the results as JSON here")
     ap.add_argument("--smoke", action="store_true", help="tiny model on CPU, short contexts")
+    ap.add_argument("--profile", default=None, help="directory for the profiled image TTFT")
+    ap.add_argument("--lengths", default=None, help="TTFT prompt lengths (default 8k-128k)")
+    ap.add_argument("--decode-lengths", default=None, help="decode contexts ('' for none)")
     args = ap.parse_args(argv)
     if args.smoke:
         model, ttft_lens, decode_lens, iters, steps = "demo/mllama-tiny", (256, 512), (256,), 1, 4
@@ -153,6 +214,10 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> None:
             (8192, 32768, 131072),
         )
         iters, steps, short = args.iters, args.decode_steps, 128
+    if args.lengths is not None:
+        ttft_lens = tuple(int(n) for n in args.lengths.split(",") if n)
+    if args.decode_lengths is not None:
+        decode_lens = tuple(int(n) for n in args.decode_lengths.split(",") if n)
     llm = no_flag_llm(model, args.smoke)
     engine, view = llm.llm_engine, EngineView(llm)
     cfg = engine.config
@@ -170,18 +235,21 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> None:
     gemm_rate = gemm_flops_per_s(device, dtype, 1024 if args.smoke else 8192)
     out["gemm_tflops"] = gemm_rate / 1e12
     vision_tokens = 4 * spec.vision.tokens_per_tile
+    vision_attn = vision_attention_ms(spec, vision_tokens, device, dtype)
+    out["vision_attention_ms"] = vision_attn
     rows = []
     for n in ttft_lens:
         n = min(n, cfg.model_config.max_model_len - 8)
-        attn = sdpa_causal_ms(
-            n, t.num_attention_heads, t.num_key_value_heads, t.head_dim, device, dtype
-        )
+        attn = sdpa_ms(n, t.num_attention_heads, t.num_key_value_heads, t.head_dim, device, dtype)
         for image in (False, True):
             processed = view.process(make_prompt(llm, image, n, n))
             ms = prefill_times_ms(llm, processed, iters, "ttft")
+            if image and args.profile and n == ttft_lens[0]:
+                Path(args.profile).mkdir(parents=True, exist_ok=True)
+                profile_ttft(llm, processed, Path(args.profile) / f"ttft_{n}_image.txt")
             ttft = sorted(ms[1:])[len(ms[1:]) // 2]
             floor = ttft_floor_ms(
-                view.model, spec, n, vision_tokens if image else 0, gemm_rate, attn
+                view.model, spec, n, vision_tokens if image else 0, gemm_rate, attn, vision_attn
             )
             rows.append(
                 {
