@@ -110,16 +110,17 @@ def sweep(m: int, k: int) -> list[Fp8Config]:
             if bm * bn * bk <= 8192 * w // 4
         ]
     bm = 16 if m <= 16 else (32 if m <= 32 else 64)
+    splits = [1, 2, 4, 8] if m <= 16 else [1, 2]  # the small shapes have few tiles at 1 row
     out += [
         Fp8Config(bm, bn, bk, split_k=sk, num_stages=st)
-        for bn, bk, sk, st in itertools.product([16, 32, 64, 128], [128, 256], [1, 2], [3, 4])
+        for bn, bk, sk, st in itertools.product([16, 32, 64, 128], [128, 256], splits, [3, 4])
     ]
     # The swapped tensor-core kernel at every decode size (its row tile 16 and up).
     for bm in [16 if m <= 16 else (32 if m <= 32 else 64)] + ([128] if m >= 128 else []):
         out += [
             Fp8Config(bm, bn, bk, split_k=sk, num_warps=w, num_stages=4, swap=True)
             for bn, bk, sk, w in itertools.product(
-                [16, 32, 64, 128], [128, 256, 512], [1, 2, 4], [4, 8]
+                [16, 32, 64, 128], [128, 256, 512], [1, 2, 4, 8], [4, 8]
             )
             if (w == 8) == (bn == 128) and 4 * (bn * bk + 2 * bk * bm) <= SWAP_SMEM
         ]
