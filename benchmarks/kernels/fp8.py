@@ -97,8 +97,8 @@ def make_copies(n: int, k: int) -> Copies:
 def sweep(m: int, k: int) -> list[Fp8Config]:
     """The candidate configs for ``m`` rows whose tiles divide K: CUDA-core tiles (with K
     splits) up to 8 rows, tensor-core tiles (a 16-row tile serves fewer rows with the same
-    weight reads) and the swapped tensor-core kernel at every row count; none for prefill
-    sizes."""
+    weight reads; K split up to 8 ways at 16 rows and fewer, 2 above) and the swapped
+    tensor-core kernel (K split up to 8) at every row count; none for prefill sizes."""
     if m > SWEEP_MAX_ROWS:
         return []
     out = []
