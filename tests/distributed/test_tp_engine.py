@@ -85,6 +85,18 @@ def test_two_ranks_generate_what_one_does(one_rank: list, eager: bool) -> None:
     assert all(len(o.outputs[0].token_ids) == 16 for o in out)
 
 
+def test_two_ranks_with_fp8_weights_generate_what_one_does() -> None:
+    """``--quantization fp8`` with two ranks: each quantizes its slice as it loads (whole rows
+    for the row-parallel matrices), on the CPU graph path."""
+    one = vllm_greedy(_llm(1, quantization="fp8").generate(PROMPTS[:6], GREEDY, use_tqdm=False))
+    llm = _llm(2, quantization="fp8", enforce_eager=False)
+    try:
+        out = llm.generate(PROMPTS[:6], GREEDY, use_tqdm=False)
+    finally:
+        llm.llm_engine.shutdown()
+    check_logprobs_close(one, vllm_greedy(out), "one rank", "two ranks")
+
+
 def test_two_ranks_sample_what_one_does() -> None:
     """Random sampling: a seeded request draws the same tokens on two ranks as on one (its
     generators, the same logits to float rounding); unseeded ones get a seed from rank 0, so

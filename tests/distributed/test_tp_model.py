@@ -45,13 +45,17 @@ def _processed() -> list:
     return out
 
 
-def _run_ranks(size: int, processed: list, tmp_path, paths: list | None = None) -> dict:
+def _run_ranks(
+    size: int, processed: list, tmp_path, paths: list | None = None, quantization=None
+) -> dict:
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
     init = f"file://{tmp_path / 'rendezvous'}"
     paths = paths or [demo_path()] * size
     procs = [
-        ctx.Process(target=run_rank, args=(r, size, init, paths[r], processed, results))
+        ctx.Process(
+            target=run_rank, args=(r, size, init, paths[r], processed, results, quantization)
+        )
         for r in range(size)
     ]
     for p in procs:
@@ -64,10 +68,7 @@ def _run_ranks(size: int, processed: list, tmp_path, paths: list | None = None) 
     }
 
 
-def test_two_ranks_equal_one(tmp_path) -> None:
-    processed = _processed()
-    want = prefill_logits(demo_path(), processed)
-    got = _run_ranks(2, processed, tmp_path)
+def _check_two_ranks_equal_one(want: list, got: dict) -> None:
     for rank in (0, 1):
         assert not isinstance(got[rank], str), got[rank]
         for w, g in zip(want, got[rank], strict=True):
@@ -77,6 +78,25 @@ def test_two_ranks_equal_one(tmp_path) -> None:
     # Both ranks see the same gathered logits, bitwise.
     for a, b in zip(got[0], got[1], strict=True):
         assert torch.equal(a, b)
+
+
+def test_two_ranks_equal_one(tmp_path) -> None:
+    processed = _processed()
+    _check_two_ranks_equal_one(
+        prefill_logits(demo_path(), processed), _run_ranks(2, processed, tmp_path)
+    )
+
+
+@pytest.mark.parametrize("source", ["compressed-tensors", "fp8"])
+def test_two_ranks_equal_one_with_fp8_weights(source, fp8_checkpoint, tmp_path) -> None:
+    """FP8 weights split across ranks: a compressed-tensors folder (weights and their
+    per-channel scales sliced with the rows) and a bf16 folder quantized at load (a
+    row-parallel matrix quantized from whole rows, so every channel has one rank's scale)."""
+    path = fp8_checkpoint("fp8-dynamic") if source == "compressed-tensors" else demo_path()
+    processed = _processed()
+    want = prefill_logits(path, processed, quantization=source)
+    got = _run_ranks(2, processed, tmp_path, [path, path], quantization=source)
+    _check_two_ranks_equal_one(want, got)
 
 
 def test_rank_slices() -> None:
@@ -99,6 +119,12 @@ def test_rank_slices() -> None:
     assert torch.equal(torch.cat([rank_slice(down, w, t) for t in two], dim=1), w)
     with pytest.raises(ValueError, match="does not divide"):
         rank_slice(qkv, w, TensorParallel(0, 3))
+    # FP8 channel scales follow their rows; a per-tensor scale is one value for every rank.
+    assert split_dim(qkv + "_scale") == 0 and split_dim(down + "_scale") is None
+    scale = torch.arange(8.0).reshape(8, 1)
+    assert torch.equal(torch.cat([rank_slice(qkv + "_scale", scale, t) for t in two]), scale)
+    one = torch.ones(1)
+    assert all(rank_slice(qkv + "_scale", one, t) is one for t in two)
 
 
 def test_a_failing_rank_fails_the_other_instead_of_hanging(tmp_path) -> None:
@@ -108,3 +134,16 @@ def test_a_failing_rank_fails_the_other_instead_of_hanging(tmp_path) -> None:
     got = _run_ranks(2, processed, tmp_path, [demo_path(), tmp_path / "missing"])
     assert isinstance(got[1], str) and "config.json" in got[1], got[1]
     assert isinstance(got[0], str), "rank 0 finished without its peer"
+
+
+def test_bitsandbytes_weights_with_two_ranks_are_refused(monkeypatch) -> None:
+    """4-bit weights are not split across ranks yet: the load says so before building."""
+    from vllm.model_executor.model_loader import loader
+
+    monkeypatch.setattr(loader, "get_tp", lambda: TensorParallel(0, 2))
+    spec = load_mllama_config(demo_path())
+    with pytest.raises(ValueError, match="bitsandbytes.*not supported yet.*FP8"):
+        loader.get_model(
+            spec, demo_path(), "dummy", torch.float32, torch.device("cpu"), 256,
+            quantization="bitsandbytes",
+        )  # fmt: skip

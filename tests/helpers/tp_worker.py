@@ -14,10 +14,12 @@ from vllm.worker.prefill_inputs import PrefillItem, build_prefill_batch, step_im
 
 
 @torch.no_grad()
-def prefill_logits(path, processed: list, dtype: torch.dtype = torch.float32) -> list:
+def prefill_logits(path, processed: list, dtype: torch.dtype = torch.float32,
+                   quantization: str | None = None) -> list:
     """[n, vocab] float32 logits per prompt, one prefill batch, under this process's group."""
     spec = load_mllama_config(path)
-    model = get_model(spec, path, "auto", dtype, torch.device("cpu"), 4096)
+    model = get_model(spec, path, "auto", dtype, torch.device("cpu"), 4096,
+                      quantization=quantization)
     backend = TorchBackend()
     selfs, crosses = model.attention_layers()
     for a in (*selfs, *crosses):
@@ -35,14 +37,16 @@ def prefill_logits(path, processed: list, dtype: torch.dtype = torch.float32) ->
     return [t.clone() for t in torch.split(logits, batch.metadata.seq_lens)]
 
 
-def run_rank(rank: int, size: int, init_method: str, path, processed: list, results) -> None:
+def run_rank(rank: int, size: int, init_method: str, path, processed: list, results,
+             quantization: str | None = None) -> None:
     """One rank: joins the group, computes, puts (rank, logits or the error text)."""
     torch.set_num_threads(1)
     try:
         init_tensor_parallel(size, rank, init_method, backend="gloo", timeout_s=60)
         # As numpy arrays: pickled by value (a tensor would be shared through a file
         # descriptor that dies with this process).
-        results.put((rank, [t.numpy() for t in prefill_logits(path, processed)]))
+        logits = prefill_logits(path, processed, quantization=quantization)
+        results.put((rank, [t.numpy() for t in logits]))
     except Exception as e:  # reported to the test
         results.put((rank, f"{type(e).__name__}: {e}"))
     finally:

@@ -33,6 +33,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from vllm.distributed.parallel_state import get_tp
+from vllm.distributed.tensor_parallel import rank_columns
 from vllm.model_executor.layers.kernel_target import KernelTarget
 from vllm.model_executor.layers.linear import (
     FP8_DTYPES,
@@ -120,7 +122,11 @@ class Fp8Format(LinearFormat):
         # Quantized here: scales in the model dtype; from a checkpoint: its scales' dtype.
         layer.fp8_scale_dtype = dtype if self.quantize_on_load else None  # type: ignore[attr-defined]
         layer.weight = nn.Parameter(torch.empty(n, k, dtype=FP8_DTYPE), requires_grad=False)
-        layer.weight.weight_loader = functools.partial(self._load_weight, layer)  # type: ignore[attr-defined]
+        loader = functools.partial(self._load_weight, layer)
+        # Quantized here, a row-parallel matrix comes whole (its rows' scales are those of one
+        # rank); this rank's columns are kept after (``tensor_parallel.whole_rows``).
+        loader.quantizes_whole_rows = self.quantize_on_load  # type: ignore[attr-defined]
+        layer.weight.weight_loader = loader  # type: ignore[attr-defined]
         scale = torch.empty(n, dtype=torch.float32)
         if self.quantize_on_load:
             layer.register_buffer("weight_scale", scale)
@@ -154,10 +160,11 @@ class Fp8Format(LinearFormat):
         start, rows = self._rows(layer, shard_id)
         if not isinstance(loaded, torch.Tensor):
             raise WeightShapeError(f"cannot load a {type(loaded).__name__}")
-        if tuple(loaded.shape) != (rows, layer.in_features):
-            raise WeightShapeError(
-                f"expected shape {(rows, layer.in_features)}, got {tuple(loaded.shape)}"
-            )
+        width = layer.in_features
+        if self.quantize_on_load and loaded.dim() == 2 and loaded.shape[1] != width:
+            width *= get_tp().size  # a row-parallel matrix given whole (``whole_rows``)
+        if tuple(loaded.shape) != (rows, width):
+            raise WeightShapeError(f"expected shape {(rows, width)}, got {tuple(loaded.shape)}")
         if self.quantize_on_load:
             if loaded.dtype in FP8_DTYPES or not loaded.is_floating_point():
                 raise WeightShapeError(f"expected a bf16/fp16/fp32 matrix, got {loaded.dtype}")
@@ -175,11 +182,13 @@ class Fp8Format(LinearFormat):
         self, layer: Linear, param: torch.Tensor, loaded: torch.Tensor, start: int
     ) -> None:
         """Quantizes ``loaded`` on the layer's device, a bounded number of rows at a time."""
-        step = max(1, _CHUNK_ELEMENTS // max(1, layer.in_features))
+        step = max(1, _CHUNK_ELEMENTS // max(1, loaded.shape[1]))
         with torch.no_grad():
             for r in range(0, loaded.shape[0], step):
                 w = loaded[r : r + step].to(device=param.device, dtype=self.compute_dtype(layer))
                 q, s = quantize_fp8(w)
+                if w.shape[1] != layer.in_features:  # the whole row's scale, this rank's part
+                    q = rank_columns(q, layer.in_features, get_tp())
                 param[start + r : start + r + w.shape[0]].copy_(q)
                 layer.weight_scale[start + r : start + r + w.shape[0]].copy_(s.view(-1))
 
