@@ -14,12 +14,14 @@ from vllm.worker.prefill_inputs import PrefillItem, build_prefill_batch, step_im
 
 
 @torch.no_grad()
-def prefill_logits(path, processed: list, dtype: torch.dtype = torch.float32,
-                   quantization: str | None = None) -> list:
+def prefill_logits(
+    path, processed: list, dtype: torch.dtype = torch.float32, quantization: str | None = None
+) -> list:
     """[n, vocab] float32 logits per prompt, one prefill batch, under this process's group."""
     spec = load_mllama_config(path)
-    model = get_model(spec, path, "auto", dtype, torch.device("cpu"), 4096,
-                      quantization=quantization)
+    model = get_model(
+        spec, path, "auto", dtype, torch.device("cpu"), 4096, quantization=quantization
+    )
     backend = TorchBackend()
     selfs, crosses = model.attention_layers()
     for a in (*selfs, *crosses):
@@ -37,8 +39,15 @@ def prefill_logits(path, processed: list, dtype: torch.dtype = torch.float32,
     return [t.clone() for t in torch.split(logits, batch.metadata.seq_lens)]
 
 
-def run_rank(rank: int, size: int, init_method: str, path, processed: list, results,
-             quantization: str | None = None) -> None:
+def run_rank(
+    rank: int,
+    size: int,
+    init_method: str,
+    path,
+    processed: list,
+    results,
+    quantization: str | None = None,
+) -> None:
     """One rank: joins the group, computes, puts (rank, logits or the error text)."""
     torch.set_num_threads(1)
     try:
