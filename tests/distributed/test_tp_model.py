@@ -4,7 +4,9 @@ rank (float32) for prompts with no, one and two images, to the last rounding of 
 
 from __future__ import annotations
 
+import json
 import multiprocessing as mp
+import shutil
 
 import numpy as np
 import pytest
@@ -87,15 +89,57 @@ def test_two_ranks_equal_one(tmp_path) -> None:
     )
 
 
-@pytest.mark.parametrize("source", ["compressed-tensors", "fp8"])
-def test_two_ranks_equal_one_with_fp8_weights(source, fp8_checkpoint, tmp_path) -> None:
-    """FP8 weights split across ranks: a compressed-tensors folder (weights and their
-    per-channel scales sliced with the rows) and a bf16 folder quantized at load (a
-    row-parallel matrix quantized from whole rows, so every channel has one rank's scale)."""
-    path = fp8_checkpoint("fp8-dynamic") if source == "compressed-tensors" else demo_path()
+@pytest.fixture(scope="module")
+def wide_tiny(tmp_path_factory) -> dict:
+    """The tiny model with a text width of 128 (the demo's is 64): with two ranks its
+    row-parallel o_proj takes 64 input columns a rank, one bitsandbytes block. Its bf16 folder
+    (random weights as the demo's) and NF4 / FP4 folders that transformers + bitsandbytes
+    write from it."""
+    from helpers.bnb_checkpoints import VARIANTS, make_checkpoint
+
+    from vllm.transformers_utils.demo_checkpoints import build_demo_config, write_weights
+
+    root = tmp_path_factory.mktemp("wide_tiny")
+    bf16 = root / "bf16"
+    bf16.mkdir()
+    config = build_demo_config("demo/mllama-tiny")
+    config["text_config"].update(hidden_size=128, intermediate_size=256)
+    (bf16 / "config.json").write_text(json.dumps(config))
+    weights = ("config.json", "demo_checkpoint.json", "model.safetensors.index.json")
+    for f in demo_path().iterdir():
+        if f.suffix != ".safetensors" and f.name not in weights:
+            shutil.copy(f, bf16 / f.name)
+    write_weights(config, bf16)
+    return {
+        "bf16": bf16,
+        "nf4": make_checkpoint(root / "nf4", VARIANTS["nf4"], src=bf16),
+        "fp4": make_checkpoint(root / "fp4", VARIANTS["fp4"], src=bf16),
+    }
+
+
+@pytest.mark.parametrize(
+    "source", ["compressed-tensors", "fp8", "bnb-nf4", "bnb-fp4", "bitsandbytes"]
+)
+def test_two_ranks_equal_one_with_quantized_weights(
+    source, fp8_checkpoint, wide_tiny, tmp_path
+) -> None:
+    """Quantized weights split across ranks. FP8: a compressed-tensors folder (weights and
+    their per-channel scales sliced with the rows) and a bf16 folder quantized at load (a
+    row-parallel matrix quantized from whole rows, so every channel has one rank's scale).
+    bitsandbytes: pre-quantized NF4 (double quantization) and FP4 (float32 scales) folders
+    written by transformers + bitsandbytes, sliced by rows or by whole blocks of columns with
+    the block scales decoded, and a bf16 folder quantized at load (each matrix quantized
+    whole, as with one rank, then sliced)."""
+    path, quantization = {
+        "compressed-tensors": (fp8_checkpoint("fp8-dynamic"), source),
+        "fp8": (demo_path(), source),
+        "bnb-nf4": (wide_tiny["nf4"], "bitsandbytes"),
+        "bnb-fp4": (wide_tiny["fp4"], "bitsandbytes"),
+        "bitsandbytes": (wide_tiny["bf16"], source),
+    }[source]
     processed = _processed()
-    want = prefill_logits(path, processed, quantization=source)
-    got = _run_ranks(2, processed, tmp_path, [path, path], quantization=source)
+    want = prefill_logits(path, processed, quantization=quantization)
+    got = _run_ranks(2, processed, tmp_path, [path, path], quantization=quantization)
     _check_two_ranks_equal_one(want, got)
 
 
@@ -134,16 +178,3 @@ def test_a_failing_rank_fails_the_other_instead_of_hanging(tmp_path) -> None:
     got = _run_ranks(2, processed, tmp_path, [demo_path(), tmp_path / "missing"])
     assert isinstance(got[1], str) and "config.json" in got[1], got[1]
     assert isinstance(got[0], str), "rank 0 finished without its peer"
-
-
-def test_bitsandbytes_weights_with_two_ranks_are_refused(monkeypatch) -> None:
-    """4-bit weights are not split across ranks yet: the load says so before building."""
-    from vllm.model_executor.model_loader import loader
-
-    monkeypatch.setattr(loader, "get_tp", lambda: TensorParallel(0, 2))
-    spec = load_mllama_config(demo_path())
-    with pytest.raises(ValueError, match="bitsandbytes.*not supported yet.*FP8"):
-        loader.get_model(
-            spec, demo_path(), "dummy", torch.float32, torch.device("cpu"), 256,
-            quantization="bitsandbytes",
-        )  # fmt: skip

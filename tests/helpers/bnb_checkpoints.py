@@ -74,11 +74,12 @@ VARIANTS = {
 }
 
 
-def make_checkpoint(dst: Path, variant: Variant) -> Path:
-    """Quantizes the tiny demo checkpoint with transformers + bitsandbytes into ``dst``."""
+def make_checkpoint(dst: Path, variant: Variant, src: Path | None = None) -> Path:
+    """Quantizes the tiny demo checkpoint (or ``src``) with transformers + bitsandbytes into
+    ``dst``."""
     from transformers import BitsAndBytesConfig, MllamaForConditionalGeneration
 
-    src = demo_path()
+    src = src or demo_path()
     cfg = BitsAndBytesConfig(
         load_in_4bit=True,
         bnb_4bit_quant_type=variant.quant_type,

@@ -12,6 +12,7 @@ from vllm.model_executor.layers.quantization.bnb_codec import (
     dynamic_map,
     parse_quant_state,
     quantize_4bit,
+    slice_4bit,
 )
 
 bnbf = pytest.importorskip("bitsandbytes.functional")  # the reference; a test dependency
@@ -80,3 +81,21 @@ def test_quant_state_json_errors_name_the_field() -> None:
             parse_quant_state(payload, "nf4")
     with pytest.raises(ValueError, match="quant_type"):
         parse_quant_state(good, "fp4")
+
+
+@pytest.mark.parametrize("nested", [True, False])
+def test_a_slice_dequantizes_to_the_slice_of_the_whole(nested: bool) -> None:
+    """A tensor-parallel rank's rows or whole blocks of columns of a quantized matrix, its
+    block scales decoded to float32, dequantize bitwise to the same part of the whole."""
+    w = torch.randn(96, 512, generator=torch.Generator().manual_seed(0)).to(torch.bfloat16)
+    p = quantize_4bit(w, "nf4", 64, nested)
+    whole = dequantize_4bit(p, torch.bfloat16)
+    rows = slice_4bit(p, 0, 32, 48)
+    assert rows.state.shape == (48, 512) and not rows.state.nested
+    assert rows.absmax.dtype == torch.float32
+    assert torch.equal(dequantize_4bit(rows, torch.bfloat16), whole[32:80])
+    cols = slice_4bit(p, 1, 256, 128)
+    assert cols.state.shape == (96, 128)
+    assert torch.equal(dequantize_4bit(cols, torch.bfloat16), whole[:, 256:384])
+    with pytest.raises(ValueError, match="cannot cut"):
+        slice_4bit(p, 1, 32, 128)  # through a block

@@ -18,7 +18,6 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from vllm.distributed.parallel_state import get_tp
 from vllm.logger import init_logger
 from vllm.model_executor.layers.quantization import QuantizationConfig
 from vllm.model_executor.model_loader.bitsandbytes_loader import quantization_plan
@@ -152,10 +151,6 @@ def get_model(spec: MllamaSpec, model_dir: Path | None, load_format: str, dtype:
     if load_format == "bitsandbytes" and quantization != "bitsandbytes":
         raise ValueError("load_format='bitsandbytes' needs quantization='bitsandbytes'")
     plan = plan_quantization(model_dir, load_format, quantization, spec)
-    if plan.config is not None and get_tp().size > 1 and plan.config.name == "bitsandbytes":
-        raise ValueError(
-            f"tensor parallelism with {plan.config.describe()} weights is not supported yet "
-            "(with FP8 or compressed-tensors weights it is)")
     model = build_model(spec, dtype, device, max_position, plan.config)
     plan.check_built()
     if load_format == "dummy":

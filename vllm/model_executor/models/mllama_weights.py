@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 from vllm.distributed.parallel_state import get_tp
-from vllm.distributed.tensor_parallel import rank_slice, whole_rows
+from vllm.distributed.tensor_parallel import rank_slice, takes_whole
 from vllm.model_executor.layers.linear import MergedLinear, WeightShapeError, default_weight_loader
 
 # transformers-5 in-memory prefix -> hub prefix (order matters: longest first).
@@ -120,7 +120,7 @@ def load_weights(model: nn.Module, weights: Iterable[tuple[str, torch.Tensor, st
             raise WeightLoadError(f"{file}: unexpected tensor {name!r} (no matching parameter)")
         loader = getattr(param, "weight_loader", default_weight_loader)
         try:
-            part = tensor if whole_rows(loader, param_name) else rank_slice(param_name, tensor, tp)
+            part = tensor if takes_whole(loader, param_name) else rank_slice(param_name, tensor, tp)
             loader(param, part, shard)
         except WeightShapeError as e:
             raise WeightLoadError(f"{file}: tensor {name!r}: {e}") from e

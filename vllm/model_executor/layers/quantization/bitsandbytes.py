@@ -21,13 +21,14 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from vllm.distributed.parallel_state import get_tp
 from vllm.model_executor.layers.kernel_target import KernelTarget
 from vllm.model_executor.layers.linear import (
     Linear,
@@ -51,6 +52,7 @@ from vllm.model_executor.layers.quantization.bnb_codec import (
     device_code,
     nested_scales,
     quantize_4bit,
+    slice_4bit,
 )
 
 if TYPE_CHECKING:  # Triton is imported only where the fused kernels are chosen
@@ -86,7 +88,12 @@ class Bnb4bitFormat(LinearFormat):
     """A linear layer's weight in bitsandbytes' 4-bit format (see the module docstring).
 
     ``quantize_on_load``: plain checkpoint tensors are quantized as they load (NF4 of a bf16
-    checkpoint); otherwise the loader accepts only :class:`Packed4bit` matrices."""
+    checkpoint); otherwise the loader accepts only :class:`Packed4bit` matrices.
+
+    With several tensor-parallel ranks the layer holds its slice with float32 block scales
+    (``bnb_codec.slice_4bit``: a slice cuts the 256-block groups of double quantization),
+    and a matrix quantized at load comes whole, is quantized as with one rank (``spec``) and
+    sliced; ``layout`` is what the layer stores."""
 
     name = "bitsandbytes"
 
@@ -97,7 +104,9 @@ class Bnb4bitFormat(LinearFormat):
         quantize_on_load: bool = False,
         dtype: torch.dtype | None = None,
     ) -> None:
-        self.spec = spec
+        self.spec = spec  # how the checkpoint's matrices are (or are to be) quantized
+        self.tp = get_tp()
+        self.layout = spec if self.tp.size == 1 else replace(spec, nested=False)
         self.scratch = scratch or DequantScratch()
         self.quantize_on_load = quantize_on_load
         self._dtype = dtype
@@ -106,15 +115,22 @@ class Bnb4bitFormat(LinearFormat):
     def create_weights(self, layer: Linear) -> None:
         n, k, bs = layer.out_features, layer.in_features, self.spec.blocksize
         if k % bs:
-            raise QuantizationError(f"input width {k} is not a multiple of the blocksize {bs}")
+            ranks = (
+                f" (one of {self.tp.size} tensor-parallel ranks' part)" if self.tp.size > 1 else ""
+            )
+            raise QuantizationError(
+                f"input width {k}{ranks} is not a multiple of the blocksize {bs}"
+            )
         layer.bnb_dtype = self._dtype or torch.get_default_dtype()  # type: ignore[attr-defined]
         layer.bnb_shards = self._shards(layer)  # type: ignore[attr-defined]
         layer.weight = nn.Parameter(torch.empty(n, k // 2, dtype=torch.uint8), requires_grad=False)
-        layer.weight.weight_loader = functools.partial(self._load, layer)  # type: ignore[attr-defined]
-        scale_dtype = torch.uint8 if self.spec.nested else torch.float32
+        loader = functools.partial(self._load, layer)
+        loader.quantizes_whole_matrix = self.quantize_on_load  # type: ignore[attr-defined]
+        layer.weight.weight_loader = loader  # type: ignore[attr-defined]
+        scale_dtype = torch.uint8 if self.layout.nested else torch.float32
         layer.register_buffer("absmax", torch.empty(n, k // bs, dtype=scale_dtype))
         layer.register_buffer("quant_code", code_table(self.spec.quant_type))
-        if self.spec.nested:
+        if self.layout.nested:
             shards = layer.bnb_shards  # type: ignore[attr-defined]
             groups = sum(s.groups for s in shards)
             index = [[s.row, s.group] for s in shards]
@@ -133,7 +149,7 @@ class Bnb4bitFormat(LinearFormat):
         out, group = [], 0
         for row, rows in spans:
             blocks = rows * layer.in_features // self.spec.blocksize
-            groups = -(-blocks // NESTED_BLOCKSIZE) if self.spec.nested else 0
+            groups = -(-blocks // NESTED_BLOCKSIZE) if self.layout.nested else 0
             out.append(_Shard(row, rows, group, groups))
             group += groups
         return out
@@ -156,7 +172,7 @@ class Bnb4bitFormat(LinearFormat):
             param[shard.row : shard.row + shard.rows].copy_(packed.packed.reshape(shard.rows, -1))
             rows = layer.absmax[shard.row : shard.row + shard.rows]
             rows.copy_(packed.absmax.reshape(shard.rows, k // bs))
-            if self.spec.nested:
+            if self.layout.nested:
                 assert packed.nested_absmax is not None and packed.nested_code is not None
                 assert packed.nested_offset is not None
                 layer.nested_absmax[shard.group : shard.group + shard.groups].copy_(
@@ -173,11 +189,21 @@ class Bnb4bitFormat(LinearFormat):
         if isinstance(loaded, torch.Tensor):
             if not self.quantize_on_load:
                 raise WeightShapeError("expected a bitsandbytes 4-bit matrix, got a plain tensor")
-            if tuple(loaded.shape) != (rows, k):
+            n = self.tp.size
+            # With several ranks a split matrix comes whole (``takes_whole``): its rows or its
+            # columns are n times this rank's.
+            dim = {(rows, k): None, (rows * n, k): 0, (rows, k * n): 1}.get(tuple(loaded.shape))
+            if tuple(loaded.shape) not in ((rows, k), (rows * n, k), (rows, k * n)):
                 raise WeightShapeError(f"expected shape {(rows, k)}, got {tuple(loaded.shape)}")
             # Cast to the model dtype first: the weights a bf16 model would hold, quantized.
             w = loaded.to(device=param.device, dtype=self.compute_dtype(layer))
-            return quantize_4bit(w, spec.quant_type, spec.blocksize, spec.nested)
+            packed = quantize_4bit(w, spec.quant_type, spec.blocksize, spec.nested)
+            if n > 1 and dim is not None:
+                part = (rows, k)[dim]
+                packed = slice_4bit(packed, dim, self.tp.rank * part, part)
+            elif n > 1:  # a whole parameter (the vision tower's), its scales as the layout's
+                packed = slice_4bit(packed, 0, 0, rows)
+            return packed
         if not isinstance(loaded, Packed4bit):
             raise WeightShapeError(f"cannot load a {type(loaded).__name__}")
         self._check_packed(loaded, rows, k)
@@ -185,7 +211,7 @@ class Bnb4bitFormat(LinearFormat):
 
     def _check_packed(self, p: Packed4bit, rows: int, k: int) -> None:
         """Raises WeightShapeError unless ``p`` is a [rows, k] matrix in this layer's format."""
-        st, spec = p.state, self.spec
+        st, spec = p.state, self.layout
         got = Bnb4bitSpec(st.quant_type, st.blocksize, st.nested)
         if st.shape != (rows, k) or got != spec:
             raise WeightShapeError(
@@ -217,7 +243,7 @@ class Bnb4bitFormat(LinearFormat):
     # ------------------------------------------------------------------ math
     def block_scales(self, layer: Linear) -> torch.Tensor:
         """float32 scales [N, K / blocksize] (decoded from the 8-bit indices when nested)."""
-        if not self.spec.nested:
+        if not self.layout.nested:
             return layer.absmax
         parts = [
             nested_scales(
@@ -248,7 +274,7 @@ class Bnb4bitFormat(LinearFormat):
         from vllm.model_executor.layers.nf4_gemm import QuantizedWeight
 
         nested = {}
-        if self.spec.nested:
+        if self.layout.nested:
             nested = dict(
                 nested_absmax=layer.nested_absmax,
                 nested_code=layer.nested_code,

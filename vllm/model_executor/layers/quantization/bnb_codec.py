@@ -17,7 +17,7 @@ from __future__ import annotations
 import functools
 import json
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -247,6 +247,40 @@ def nested_scales(
     u = codes.reshape(-1).long()
     groups = torch.arange(u.numel(), device=u.device) // NESTED_BLOCKSIZE + group_base
     return nested_code[u] * nested_absmax[groups] + offset
+
+
+def slice_4bit(p: Packed4bit, dim: int, start: int, count: int) -> Packed4bit:
+    """Rows (``dim`` 0) or columns (1) [start, start + count) of a quantized matrix, its block
+    scales as float32: the values the whole matrix dequantizes with (a double-quantized
+    matrix's slice is no longer a whole number of its 256-block groups). The blocks must lie
+    within rows, and a column slice must cut between blocks."""
+    s = p.state
+    (n, k), bs = s.shape, s.blocksize
+    if k % bs or (dim == 1 and (start % bs or count % bs)):
+        raise ValueError(
+            f"cannot cut {list(s.shape)} in blocks of {bs} at {'column' if dim else 'row'} "
+            f"{start} ({count} a part)"
+        )
+    if s.nested:
+        assert p.nested_absmax is not None and p.nested_code is not None
+        assert p.nested_offset is not None
+        scales = nested_scales(p.absmax, p.nested_absmax, p.nested_code, p.nested_offset)
+    else:
+        scales = p.absmax.float()
+    scales = scales.reshape(n, k // bs)
+    packed = p.packed.reshape(n, k // 2)
+    if dim == 0:
+        packed, scales, shape = (
+            packed[start : start + count],
+            scales[start : start + count],
+            (count, k),
+        )
+    else:
+        packed = packed[:, start // 2 : (start + count) // 2]
+        scales = scales[:, start // bs : (start + count) // bs]
+        shape = (n, count)
+    state = replace(s, shape=shape, nested=False, offset=None)
+    return Packed4bit(state, packed.contiguous().reshape(-1), scales.contiguous().reshape(-1))
 
 
 def dequantize_codes(

@@ -124,7 +124,7 @@ class Fp8Format(LinearFormat):
         layer.weight = nn.Parameter(torch.empty(n, k, dtype=FP8_DTYPE), requires_grad=False)
         loader = functools.partial(self._load_weight, layer)
         # Quantized here, a row-parallel matrix comes whole (its rows' scales are those of one
-        # rank); this rank's columns are kept after (``tensor_parallel.whole_rows``).
+        # rank); this rank's columns are kept after (``tensor_parallel.takes_whole``).
         loader.quantizes_whole_rows = self.quantize_on_load  # type: ignore[attr-defined]
         layer.weight.weight_loader = loader  # type: ignore[attr-defined]
         scale = torch.empty(n, dtype=torch.float32)
@@ -162,7 +162,7 @@ class Fp8Format(LinearFormat):
             raise WeightShapeError(f"cannot load a {type(loaded).__name__}")
         width = layer.in_features
         if self.quantize_on_load and loaded.dim() == 2 and loaded.shape[1] != width:
-            width *= get_tp().size  # a row-parallel matrix given whole (``whole_rows``)
+            width *= get_tp().size  # a row-parallel matrix given whole (``takes_whole``)
         if tuple(loaded.shape) != (rows, width):
             raise WeightShapeError(f"expected shape {(rows, width)}, got {tuple(loaded.shape)}")
         if self.quantize_on_load:
