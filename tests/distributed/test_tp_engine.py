@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 from helpers.compare import check_logprobs_close, vllm_greedy
 from helpers.server_process import free_port, stop, wait_healthy
+from helpers.tp_worker import write_wide_tiny
 from PIL import Image
 
 from vllm import LLM, SamplingParams
@@ -90,6 +91,21 @@ def test_two_ranks_with_fp8_weights_generate_what_one_does() -> None:
     for the row-parallel matrices), on the CPU graph path."""
     one = vllm_greedy(_llm(1, quantization="fp8").generate(PROMPTS[:6], GREEDY, use_tqdm=False))
     llm = _llm(2, quantization="fp8", enforce_eager=False)
+    try:
+        out = llm.generate(PROMPTS[:6], GREEDY, use_tqdm=False)
+    finally:
+        llm.llm_engine.shutdown()
+    check_logprobs_close(one, vllm_greedy(out), "one rank", "two ranks")
+
+
+def test_two_ranks_with_nf4_weights_generate_what_one_does(tmp_path) -> None:
+    """``--quantization bitsandbytes`` with two ranks (a tiny model wide enough for one block
+    a rank): each rank quantizes every split matrix whole and keeps its part, with float32
+    block scales; on the CPU graph path."""
+    folder = str(write_wide_tiny(tmp_path / "wide"))
+    kw = dict(model=folder, quantization="bitsandbytes")
+    one = vllm_greedy(_llm(1, **kw).generate(PROMPTS[:6], GREEDY, use_tqdm=False))
+    llm = _llm(2, enforce_eager=False, **kw)
     try:
         out = llm.generate(PROMPTS[:6], GREEDY, use_tqdm=False)
     finally:

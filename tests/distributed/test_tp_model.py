@@ -4,15 +4,13 @@ rank (float32) for prompts with no, one and two images, to the last rounding of 
 
 from __future__ import annotations
 
-import json
 import multiprocessing as mp
-import shutil
 
 import numpy as np
 import pytest
 import torch
 from helpers.hf_runner import demo_path
-from helpers.tp_worker import prefill_logits, run_rank
+from helpers.tp_worker import prefill_logits, run_rank, write_wide_tiny
 from PIL import Image
 
 from vllm.distributed.parallel_state import TensorParallel
@@ -91,25 +89,12 @@ def test_two_ranks_equal_one(tmp_path) -> None:
 
 @pytest.fixture(scope="module")
 def wide_tiny(tmp_path_factory) -> dict:
-    """The tiny model with a text width of 128 (the demo's is 64): with two ranks its
-    row-parallel o_proj takes 64 input columns a rank, one bitsandbytes block. Its bf16 folder
-    (random weights as the demo's) and NF4 / FP4 folders that transformers + bitsandbytes
-    write from it."""
+    """The wide tiny model's bf16 folder (``tp_worker.write_wide_tiny``) and NF4 / FP4 folders
+    that transformers + bitsandbytes write from it."""
     from helpers.bnb_checkpoints import VARIANTS, make_checkpoint
 
-    from vllm.transformers_utils.demo_checkpoints import build_demo_config, write_weights
-
     root = tmp_path_factory.mktemp("wide_tiny")
-    bf16 = root / "bf16"
-    bf16.mkdir()
-    config = build_demo_config("demo/mllama-tiny")
-    config["text_config"].update(hidden_size=128, intermediate_size=256)
-    (bf16 / "config.json").write_text(json.dumps(config))
-    weights = ("config.json", "demo_checkpoint.json", "model.safetensors.index.json")
-    for f in demo_path().iterdir():
-        if f.suffix != ".safetensors" and f.name not in weights:
-            shutil.copy(f, bf16 / f.name)
-    write_weights(config, bf16)
+    bf16 = write_wide_tiny(root / "bf16")
     return {
         "bf16": bf16,
         "nf4": make_checkpoint(root / "nf4", VARIANTS["nf4"], src=bf16),

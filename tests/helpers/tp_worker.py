@@ -3,6 +3,10 @@ slice of the demo checkpoint and returns the prefill logits of the given prompts
 
 from __future__ import annotations
 
+import json
+import shutil
+from pathlib import Path
+
 import torch
 
 from vllm.attention.backends.torch_attn import TorchBackend
@@ -60,3 +64,22 @@ def run_rank(
         results.put((rank, f"{type(e).__name__}: {e}"))
     finally:
         destroy_tensor_parallel()
+
+
+def write_wide_tiny(dst: Path) -> Path:
+    """The tiny demo model with a text width of 128 (the demo's is 64) as a bf16 folder with
+    random weights drawn as the demo's: with two ranks its row-parallel o_proj takes 64 input
+    columns a rank, one bitsandbytes block."""
+    from helpers.hf_runner import demo_path
+    from vllm.transformers_utils.demo_checkpoints import build_demo_config, write_weights
+
+    dst.mkdir(parents=True)
+    config = build_demo_config("demo/mllama-tiny")
+    config["text_config"].update(hidden_size=128, intermediate_size=256)
+    (dst / "config.json").write_text(json.dumps(config))
+    weights = ("config.json", "demo_checkpoint.json", "model.safetensors.index.json")
+    for f in demo_path().iterdir():
+        if f.suffix != ".safetensors" and f.name not in weights:
+            shutil.copy(f, dst / f.name)
+    write_weights(config, dst)
+    return dst
