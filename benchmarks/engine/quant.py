@@ -34,6 +34,7 @@ from benchmarks.common import (
 from benchmarks.engine.report import replay_ms, time_decode
 from vllm import LLM, SamplingParams
 from vllm.forward_context import set_forward_context
+from vllm.worker.memory import requests_that_fit
 
 QUANTIZATION = {"bf16": None, "bitsandbytes": "bitsandbytes", "fp8": "fp8"}
 
@@ -151,6 +152,14 @@ def run_format(name: str, args: argparse.Namespace) -> dict:
     result["bytes_text"] = weight_bytes(model, False)
     result["bytes_image"] = weight_bytes(model, True)
     result["weight_gib"] = _stored_bytes(model) / (1 << 30)
+    view = EngineView(llm)
+    pages = view.engine.block_manager.pool.num_pages
+    vision = view.engine.config.model_config.spec.vision
+    # Capacity: requests of 2048 tokens with one 4-tile image that the KV pool holds at once.
+    result["kv_pages"] = pages - 1
+    result["capacity_4tile_2k"] = requests_that_fit(
+        view.layout, pages, 2048, 4 * vision.tokens_per_tile
+    )
     result["decode"] = []
     for mix in ("text", "image"):
         for bs in args.batches:
@@ -246,7 +255,8 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> None:
     for r in results:
         print(
             f"{r['format']:12s} TTFT {r['ttft_ms']:.1f} ms, weights {r['weight_gib']:.2f} GiB, "
-            f"start {r['engine_start_s']:.0f} s"
+            f"start {r['engine_start_s']:.0f} s, {r['kv_pages']} KV pages: "
+            f"{r['capacity_4tile_2k']} concurrent 4-tile 2k-token requests"
         )
 
 

@@ -207,3 +207,30 @@ def test_full_context_chunk_gather_is_reserved(monkeypatch) -> None:
     memory.check_device_memory(cfg, int((need + reserve + 1024) / util) + 1)
     with pytest.raises(ValueError, match="at max_model_len 131072"):
         memory.check_device_memory(cfg, int((need + reserve // 2) / util))
+
+
+def test_concurrency_is_what_the_pool_holds() -> None:
+    """The 90B layout (80 self layers, 20 cross: 16-token self pages, 64-token cross pages):
+    a 2048-token request with one 4-tile image (6,404 vision tokens) takes 128 + 101 pages,
+    so 1,832 usable pages hold 8 of them; the engine's "maximum concurrency" counts
+    max_model_len sequences with a full image group the same way."""
+    layout = memory.PageLayout(80, 20, 8, 128, 16, 64, torch.bfloat16)
+    assert memory.requests_that_fit(layout, 1833, 2048, 6404) == 8
+    assert memory.requests_that_fit(layout, 1833 + 228, 2048, 6404) == 8
+    assert memory.requests_that_fit(layout, 1833 + 229, 2048, 6404) == 9
+    cfg = _config(2048, 2048, limit_mm_per_prompt={"image": 1})
+    tiny = memory.PageLayout.for_model(cfg.model_config.spec, 16, torch.float32)
+    need = tiny.pages_for_tokens(2048) + tiny.cross_pages_for_tokens(
+        cfg.model_config.max_encoder_seq_len
+    )
+    assert memory.max_concurrency(cfg, tiny, 1 + 3 * need) == 3.0
+
+
+def test_engine_logs_its_maximum_concurrency(caplog) -> None:
+    cfg = _config(256, 64, max_num_seqs=2, limit_mm_per_prompt={"image": 1})
+    with caplog.at_level(logging.INFO, logger="vllm"):
+        engine = LLMEngine(cfg)
+    want = memory.max_concurrency(cfg, engine.runner.layout, engine.block_manager.pool.num_pages)
+    lines = [r.getMessage() for r in caplog.records if "Maximum concurrency" in r.getMessage()]
+    assert lines == [f"Maximum concurrency for 256 tokens per request with 1 image(s): {want:.2f}x"]
+    assert want >= 1.0

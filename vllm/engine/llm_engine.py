@@ -35,7 +35,7 @@ from vllm.outputs import RequestOutput
 from vllm.sampling_params import SamplingParams
 from vllm.transformers_utils.tokenizer import get_image_processor, get_tokenizer
 from vllm.worker.loaded_model import load_model
-from vllm.worker.memory import check_context_fits, determine_num_pages
+from vllm.worker.memory import check_context_fits, determine_num_pages, max_concurrency
 from vllm.worker.model_runner import ModelRunner, RunnerStats
 from vllm.worker.step_results import StepHandle
 
@@ -139,6 +139,9 @@ class LLMEngine:
                     loaded.load_seconds,
                     num_pages - 1, lo.block_size, config.model_config.max_model_len,
                     config.scheduler_config.max_num_seqs)
+        logger.info("Maximum concurrency for %d tokens per request with %d image(s): %.2fx",
+                    config.model_config.max_model_len, mc.limit_images_per_prompt,
+                    max_concurrency(config, lo, num_pages))
         # None: on CUDA only, where first uses of kernels compile (see vllm/engine/warmup.py).
         warmup_seconds = 0.0
         if warmup if warmup is not None else self.runner.device.type == "cuda":

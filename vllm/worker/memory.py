@@ -39,6 +39,19 @@ def pages_per_seq(config: VllmConfig, layout: PageLayout) -> int:
             + layout.cross_pages_for_tokens(mc.max_encoder_seq_len))
 
 
+def max_concurrency(config: VllmConfig, layout: PageLayout, num_pages: int) -> float:
+    """How many full-length sequences, each with a full image group's cross pages, the pool of
+    ``num_pages`` (the null page included) holds at once: vLLM's "maximum concurrency"."""
+    return (num_pages - 1) / pages_per_seq(config, layout)
+
+
+def requests_that_fit(layout: PageLayout, num_pages: int, tokens: int, vision_tokens: int) -> int:
+    """Requests of ``tokens`` tokens with ``vision_tokens`` of images that the pool of
+    ``num_pages`` (the null page included) holds at once."""
+    need = layout.pages_for_tokens(tokens) + layout.cross_pages_for_tokens(vision_tokens)
+    return (num_pages - 1) // need
+
+
 def profile_inputs(cfg: VllmConfig) -> list[ProcessedInputs]:
     """Synthetic prompts filling the step budgets: tokens and images at their maxima, no
     prompt longer than ``max_model_len`` (as in any real step: positions past it would index
