@@ -192,9 +192,13 @@ class Bnb4bitFormat(LinearFormat):
             n = self.tp.size
             # With several ranks a split matrix comes whole (``takes_whole``): its rows or its
             # columns are n times this rank's.
-            dim = {(rows, k): None, (rows * n, k): 0, (rows, k * n): 1}.get(tuple(loaded.shape))
-            if tuple(loaded.shape) not in ((rows, k), (rows * n, k), (rows, k * n)):
-                raise WeightShapeError(f"expected shape {(rows, k)}, got {tuple(loaded.shape)}")
+            shape = tuple(loaded.shape)
+            if shape == (rows, k):
+                dim = None
+            elif n > 1 and shape in ((rows * n, k), (rows, k * n)):
+                dim = 0 if shape == (rows * n, k) else 1
+            else:
+                raise WeightShapeError(f"expected shape {(rows, k)}, got {shape}")
             # Cast to the model dtype first: the weights a bf16 model would hold, quantized.
             w = loaded.to(device=param.device, dtype=self.compute_dtype(layer))
             packed = quantize_4bit(w, spec.quant_type, spec.blocksize, spec.nested)
