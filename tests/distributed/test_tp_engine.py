@@ -118,7 +118,7 @@ def test_two_ranks_sample_what_one_does() -> None:
     generators, the same logits to float rounding); unseeded ones get a seed from rank 0, so
     the ranks' draws agree and the engine runs on."""
     seeded = SamplingParams(temperature=1.0, top_p=0.9, max_tokens=12, seed=7, n=2)
-    free = SamplingParams(temperature=1.0, max_tokens=12)
+    free = SamplingParams(temperature=1.0, max_tokens=12, ignore_eos=True)
     one = _llm(1).generate(PROMPTS[:3], seeded, use_tqdm=False)
     llm = _llm(2)
     try:
