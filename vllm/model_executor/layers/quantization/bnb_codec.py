@@ -249,6 +249,15 @@ def nested_scales(
     return nested_code[u] * nested_absmax[groups] + offset
 
 
+def block_scales(p: Packed4bit) -> torch.Tensor:
+    """The float32 scale of each block of ``p`` (decoded from its 8-bit indices if nested)."""
+    if not p.state.nested:
+        return p.absmax.float()
+    assert p.nested_absmax is not None and p.nested_code is not None
+    assert p.nested_offset is not None
+    return nested_scales(p.absmax, p.nested_absmax, p.nested_code, p.nested_offset)
+
+
 def slice_4bit(p: Packed4bit, dim: int, start: int, count: int) -> Packed4bit:
     """Rows (``dim`` 0) or columns (1) [start, start + count) of a quantized matrix, its block
     scales as float32: the values the whole matrix dequantizes with (a double-quantized
@@ -261,13 +270,7 @@ def slice_4bit(p: Packed4bit, dim: int, start: int, count: int) -> Packed4bit:
             f"cannot cut {list(s.shape)} in blocks of {bs} at {'column' if dim else 'row'} "
             f"{start} ({count} a part)"
         )
-    if s.nested:
-        assert p.nested_absmax is not None and p.nested_code is not None
-        assert p.nested_offset is not None
-        scales = nested_scales(p.absmax, p.nested_absmax, p.nested_code, p.nested_offset)
-    else:
-        scales = p.absmax.float()
-    scales = scales.reshape(n, k // bs)
+    scales = block_scales(p).reshape(n, k // bs)
     packed = p.packed.reshape(n, k // 2)
     if dim == 0:
         packed, scales, shape = (
@@ -301,11 +304,6 @@ def dequantize_codes(
 def dequantize_4bit(p: Packed4bit, dtype: torch.dtype) -> torch.Tensor:
     """The matrix [N, K] of a :class:`Packed4bit` in ``dtype``."""
     s = p.state
-    if s.nested:
-        assert p.nested_absmax is not None and p.nested_code is not None
-        assert p.nested_offset is not None
-        scales = nested_scales(p.absmax, p.nested_absmax, p.nested_code, p.nested_offset)
-    else:
-        scales = p.absmax.float()
+    scales = block_scales(p)
     table = code_table(s.quant_type, p.packed.device)
     return dequantize_codes(p.packed, scales, table, s.blocksize, s.shape, dtype)
