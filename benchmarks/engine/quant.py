@@ -148,11 +148,11 @@ def run_format(name: str, args: argparse.Namespace) -> dict:
         gpu_memory_utilization=args.gpu_memory_utilization,
     )
     result: dict = {"format": name, "engine_start_s": time.perf_counter() - t0}
-    model = EngineView(llm).model
+    view = EngineView(llm)
+    model = view.model
     result["bytes_text"] = weight_bytes(model, False)
     result["bytes_image"] = weight_bytes(model, True)
     result["weight_gib"] = _stored_bytes(model) / (1 << 30)
-    view = EngineView(llm)
     pages = view.engine.block_manager.pool.num_pages
     vision = view.engine.config.model_config.spec.vision
     # Capacity: requests of 2048 tokens with one 4-tile image that the KV pool holds at once.
