@@ -267,6 +267,7 @@ class AsyncLLMEngine:
             "images_encoded_ahead": runner.stats.images_encoded_ahead,
             "encoder_steps": runner.stats.encoder_steps,
             "prefill_chunks": runner.stats.prefill_chunks,
+            "row_chunks": runner.stats.row_chunks,
             "requests": self.engine.stats.snapshot(),
             "cache_config": self.cache_config_info(),
         }

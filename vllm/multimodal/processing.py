@@ -106,6 +106,22 @@ class ProcessedInputs:
         return any(r.tok_start < end and r.tok_end > start and r.img_end > r.img_start
                    for r in self.runs)
 
+    def sees_last_group(self, start: int) -> bool:
+        """Whether every token from ``start`` on sees exactly the last image group, as decode
+        tokens do (no image token among them, no earlier group in view)."""
+        if self.last_group is None or not self.runs:
+            return False
+        if start >= len(self.prompt_token_ids):
+            return True
+        # The trailing runs that see the whole group (the group's last image token, then
+        # the text after it), back to back up to the prompt's end.
+        first = len(self.prompt_token_ids)
+        for run in reversed(self.runs):
+            if run.tok_end != first or (run.img_start, run.img_end) != self.last_group:
+                break
+            first = run.tok_start
+        return start >= first
+
     @cached_property
     def encoder_prompt_token_ids(self) -> list[int]:
         """vLLM's encoder prompt for this model: one image token per vision token of the last

@@ -5,6 +5,8 @@ token, its page table, its cross page table and its cached vision length. A deco
 uploads the list of rows (and page appends); the sampled tokens are written into the rows on
 the device and positions advance there, so no step waits on the host for its inputs.
 Row ``null_row`` is padding: position -1 (length 0, slot -1), null pages, no vision tokens.
+Rows past it are run rows (``load_run``): a short prefill chunk's tokens, one per row, replayed
+in the decode graph with the running sequences (see ``ModelRunner._row_chunks``).
 """
 
 from __future__ import annotations
@@ -33,12 +35,14 @@ class DecodeRows:
     """Device buffers indexed by row; ``max_rows`` real rows plus the null row."""
 
     def __init__(self, max_rows: int, max_pages: int, max_cross_pages: int, block_size: int,
-                 device: torch.device, fused: bool = False) -> None:
+                 device: torch.device, fused: bool = False, run_rows: int = 0) -> None:
         self.max_rows = max_rows
         self.null_row = max_rows
+        self.run_start = max_rows + 1  # first of ``run_rows`` rows for ``load_run``
+        self.run_rows = run_rows
         self.block_size = block_size
         self.device = device
-        n = max_rows + 1
+        n = max_rows + 1 + run_rows
         self.tokens = torch.zeros(n, dtype=torch.int64, device=device)
         self.positions = torch.full((n,), -1, dtype=torch.int64, device=device)
         self.block_tables = torch.zeros(n, max(max_pages, 1), dtype=torch.int32, device=device)
@@ -81,6 +85,28 @@ class DecodeRows:
         self.cross_tables[row].copy_(to_device(ct, torch.int32, self.device))
         self.encoder_lens[row:row + 1].fill_(encoder_len)
         self.positions[row:row + 1].fill_(position)
+
+    def load_run(self, first: int, block_table: list[int], cross_table: list[int],
+                 encoder_len: int, tokens: list[int], position: int) -> None:
+        """Loads run rows ``first ..`` with the consecutive tokens of one sequence from
+        ``position`` on, all with its page tables: as decode rows they write their K/V at
+        their positions and attend to everything before (causal), as its prefill would."""
+        n = len(tokens)
+        assert self.run_start <= first and first + n <= self.run_start + self.run_rows
+        bt = torch.zeros(self.block_tables.shape[1], dtype=torch.int32)
+        bt[:len(block_table)] = torch.tensor(block_table, dtype=torch.int32)
+        ct = torch.zeros(self.cross_tables.shape[1], dtype=torch.int32)
+        if cross_table:
+            ct[:len(cross_table)] = torch.tensor(cross_table, dtype=torch.int32)
+        tables = to_device(torch.cat([bt, ct]), torch.int32, self.device)
+        w = bt.shape[0]
+        rows = slice(first, first + n)
+        self.block_tables[rows].copy_(tables[:w].expand(n, -1))
+        self.cross_tables[rows].copy_(tables[w:].expand(n, -1))
+        self.encoder_lens[rows].fill_(encoder_len)
+        toks = to_device(tokens, torch.int64, self.device)
+        self.tokens[rows].copy_(toks)
+        torch.arange(position, position + n, out=self.positions[rows])
 
     def set_pages(self, updates: list[tuple[int, int, int]]) -> None:
         """(row, page index, page) writes for pages appended this step."""

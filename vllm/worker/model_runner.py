@@ -4,6 +4,12 @@ Prefill steps run eagerly over packed prompts and all their images at once. Deco
 their inputs from the persistent device rows (``decode_state.py``): the host sends only which
 rows run (and appended pages); sampled tokens and positions are advanced on the device. Results
 reach the host through ``step_results.ResultCopier`` without the launch waiting for them.
+
+A short chunk whose tokens all see what decode tokens see (no image to encode or write: a chat's
+new turn over its cached history, a short text prompt) runs as extra rows of the step's decode
+graph instead (``_row_chunks``): one token per row, each attending to its sequence's pages up to
+its position, so its prefill costs a graph replay instead of an eager forward whose host
+launches take longer than its GPU work.
 """
 
 from __future__ import annotations
@@ -55,6 +61,10 @@ from vllm.worker.step_results import (
 
 logger = init_logger(__name__)
 
+# The longest chunk run as decode-graph rows (``ModelRunner._row_chunks``); longer ones, and
+# any that would not fit the largest graph beside the step's decode rows, run eagerly.
+ROW_CHUNK_TOKENS = 64
+
 
 @dataclass
 class RunnerStats:
@@ -66,6 +76,7 @@ class RunnerStats:
     images_encoded_ahead: int = 0  # requests whose images were encoded before their prefill
     prefill_steps: int = 0  # steps with a prefill forward
     prefill_chunks: int = 0  # chunks that did not end their prompt (more steps follow)
+    row_chunks: int = 0  # chunks run as rows of the decode graph (``_row_chunks``)
     host_time_s: float = 0.0  # host time spent launching steps
     steps: int = 0
 
@@ -103,6 +114,8 @@ class ModelRunner:
         self.cache_engine.bind(self.model)
         self.max_pages_per_seq = self.layout.pages_for_tokens(mc.max_model_len)
         self.max_cross_pages = self.layout.cross_pages_for_tokens(mc.max_encoder_seq_len)
+        # Chunks of at most this many tokens may run as decode-graph rows (0: never).
+        self.row_chunk_tokens = 0 if mc.enforce_eager else ROW_CHUNK_TOKENS
         self.rows = DecodeRows(
             sc.max_num_seqs,
             self.max_pages_per_seq,
@@ -110,6 +123,7 @@ class ModelRunner:
             self.layout.block_size,
             self.device,
             fused=fused,
+            run_rows=0 if mc.enforce_eager else max(self.bucket_sizes),
         )
         self.stats = RunnerStats()
         self.prefix_caching = sc.enable_prefix_caching  # report what each step writes
@@ -213,27 +227,36 @@ class ModelRunner:
         start = time.perf_counter()
         # Sampling inputs first: what a request can make fail fails before any device work,
         # so a failed step leaves the decode rows as they were (and can run again).
-        samplers = [s for c in out.chunks for s in c.samplers]
+        row_chunks = self._row_chunks(out)
+        chunks = [c for c in out.chunks if c not in row_chunks]
+        row_samplers = [s for c in row_chunks for s in c.samplers]
+        samplers = [s for c in chunks for s in c.samplers]
         decode_sampling = self._decode_sampling(out.decode_seqs) if out.decode_seqs else None
+        row_sampling = self._sampling_rows(row_samplers) if row_samplers else None
         prefill_sampling = self._sampling_rows(samplers) if samplers else None
         parts: list[tuple[SamplerOutput, int]] = []
         prompt_logprobs: dict[str, PromptLogprobsOnDevice] = {}
         written_cross: list[tuple[Request, list[int]]] = []
         deferred = None
-        if decode_sampling is not None:
-            decoded = self._decode(out, decode_sampling)
+        if decode_sampling is not None or row_chunks:
+            decoded, from_rows = self._decode(out, decode_sampling, row_chunks, row_sampling)
             if isinstance(decoded, SamplerOutput):
                 parts.append((decoded, len(out.decode_seqs)))
-            else:  # constrained rows: sampled by finish_launch (see grammar_rows.py)
+            elif decoded is not None:  # constrained rows: sampled by finish_launch
                 deferred = decoded
+            if from_rows is not None:
+                parts.append((from_rows, len(row_samplers)))
         for work in out.encoder_work:
             self._advance_encoder(work)
-        if out.chunks:
-            sampled = self._prefill(out, prefill_sampling, prompt_logprobs, written_cross)
+        if chunks:
+            sampled = self._prefill(chunks, prefill_sampling, prompt_logprobs, written_cross)
             if sampled is not None:
                 parts.append((sampled, len(samplers)))
+        self.stats.prefill_chunks += sum(1 for c in out.chunks if not c.samplers)
+        self.stats.row_chunks += len(row_chunks)
+        self.cache_engine.copy_pages(out.page_copies)
         result = StepOutput(
-            seqs=out.sample_seqs,
+            seqs=out.decode_seqs + row_samplers + samplers,
             token_ids=[],
             num_prompt_tokens=out.num_prefill_tokens,
         )
@@ -321,9 +344,31 @@ class ModelRunner:
             )
         return SamplingMetadata.build(rows, self.vocab_size, self.device)
 
+    def _row_chunks(self, out: SchedulerOutput) -> list[PrefillChunk]:
+        """The step's chunks that run as rows of its decode graph: short, sampling for one
+        sequence at most, no prompt logprobs or grammar, and every token seeing what the
+        sequence's decode tokens see (no image, or only the last image group, its cross K/V
+        already in the pages). They take the rows the graph has beside the decode's."""
+        if self.graphs is None or not self.row_chunk_tokens:
+            return []
+        room = self.graphs.sizes[-1] - len(out.decode_seqs)
+        picked = []
+        for c in out.chunks:
+            req = c.seq.request
+            n = c.num_tokens
+            if n > min(room, self.row_chunk_tokens) or len(c.samplers) > 1:
+                continue
+            if req.params.prompt_logprobs is not None or req.grammar is not None:
+                continue
+            if req.has_images and not (req.cross_written and req.inputs.sees_last_group(c.start)):
+                continue
+            picked.append(c)
+            room -= n
+        return picked
+
     def _prefill(
         self,
-        out: SchedulerOutput,
+        chunks: list[PrefillChunk],
         sampling: SamplingMetadata | None,
         prompt_logprobs: dict[str, PromptLogprobsOnDevice],
         written_cross: list[tuple[Request, list[int]]],
@@ -332,10 +377,10 @@ class ModelRunner:
         sequence's tokens (None if none does). Appends to ``written_cross`` the requests
         whose cross group it writes (with their cross tables)."""
         lo = self.layout
-        items = [self._prefill_item(c) for c in out.chunks]
+        items = [self._prefill_item(c) for c in chunks]
         written_cross += [
             (c.seq.request, list(item.cross_block_table))
-            for c, item in zip(out.chunks, items, strict=True)
+            for c, item in zip(chunks, items, strict=True)
             if item.write_cross
         ]
         # The encoder first: the GPU runs it while the host builds the text inputs. With
@@ -362,7 +407,7 @@ class ModelRunner:
                 f"prefill step: {n_vision} vision tokens encoded for the "
                 f"{batch.num_vision_tokens} its chunks' ranges index"
             )
-        for c in out.chunks:
+        for c in chunks:
             rows = batch.vision_rows.get(c.seq.request)
             held = c.progress.vision is not None
             if rows is not None and c.progress.computed and vision is not None and not held:
@@ -372,14 +417,12 @@ class ModelRunner:
                 c.progress.hold_vision(own if own.shape[0] == vision.shape[0] else own.clone())
         with set_forward_context(batch.metadata):
             hidden = self.model(batch.input_ids, batch.positions, vision)
-        self._prompt_logprobs(out, batch, hidden, prompt_logprobs)
+        self._prompt_logprobs(chunks, batch, hidden, prompt_logprobs)
         self.stats.prefill_steps += 1
-        self.stats.prefill_chunks += sum(1 for c in out.chunks if not c.samplers)
-        self.cache_engine.copy_pages(out.page_copies)
         if sampling is None:
             return None
         logits = self.model.compute_logits(hidden[batch.logits_indices])
-        groups = [c.samplers for c in out.chunks if c.samplers]
+        groups = [c.samplers for c in chunks if c.samplers]
         expand = [i for i, group in enumerate(groups) for _ in group]
         sample_seqs = [s for group in groups for s in group]
         if len(expand) != len(groups):
@@ -387,6 +430,11 @@ class ModelRunner:
         if any_constrained(sample_seqs):  # nothing of theirs is in flight: masks now
             sampling.token_bitmask = self.grammar_rows.masks(sample_seqs)
         sampler_out = self.sampler(logits, sampling)
+        self._start_decoding(sample_seqs, sampler_out)
+        return sampler_out
+
+    def _start_decoding(self, sample_seqs: list[Sequence], sampler_out: SamplerOutput) -> None:
+        """Gives each sequence whose prefill ended a decode row holding its first token."""
         rows = []
         for s in sample_seqs:
             s.row = self.rows.acquire()
@@ -401,7 +449,6 @@ class ModelRunner:
         self.rows.set_tokens(
             to_device(rows, torch.int64, self.device), sampler_out.sampled_token_ids
         )
-        return sampler_out
 
     @staticmethod
     def _prefill_item(chunk: PrefillChunk) -> PrefillItem:
@@ -426,7 +473,7 @@ class ModelRunner:
 
     def _prompt_logprobs(
         self,
-        out: SchedulerOutput,
+        chunks: list[PrefillChunk],
         batch: PrefillBatch,
         hidden: torch.Tensor,
         into: dict[str, PromptLogprobsOnDevice],
@@ -435,7 +482,7 @@ class ModelRunner:
         result copier brings them to the host with the step's other results). A chunk's
         share is kept in its prefill record until the prompt's last chunk ran."""
         row = 0
-        for c, n in zip(out.chunks, batch.metadata.seq_lens, strict=True):
+        for c, n in zip(chunks, batch.metadata.seq_lens, strict=True):
             req, prompt_len = c.seq.request, c.seq.prompt_len
             k = req.params.prompt_logprobs
             # Token t predicts token t + 1; only prompt tokens have a prompt logprob.
@@ -460,33 +507,68 @@ class ModelRunner:
             row += n
 
     def _decode(
-        self, out: SchedulerOutput, sampling: SamplingMetadata
-    ) -> SamplerOutput | Callable[[], SamplerOutput]:
-        """Replays (or runs) the forward and samples; with constrained rows, returns the
-        sampling to run later instead (``finish_launch``)."""
+        self,
+        out: SchedulerOutput,
+        sampling: SamplingMetadata | None,
+        row_chunks: list[PrefillChunk],
+        row_sampling: SamplingMetadata | None,
+    ) -> tuple[SamplerOutput | Callable[[], SamplerOutput] | None, SamplerOutput | None]:
+        """Replays (or runs) the forward of the decode rows and the row chunks' rows; samples
+        the decode rows (with constrained rows, returns that sampling to run later instead:
+        ``finish_launch``) and the row chunks that end their prompt."""
         seqs = out.decode_seqs
         self.rows.set_pages([(s.row, len(s.block_table) - 1, p) for s, p in out.new_pages])
-        max_enc = max(s.request.inputs.encoder_seq_len for s in seqs)
+        max_enc = max((s.request.inputs.encoder_seq_len for s in seqs), default=0)
         row_ids = [s.row for s in seqs]
+        last_rows = []  # the row of each sampling row chunk's last token
+        for c in row_chunks:
+            req = c.seq.request
+            enc = req.inputs.encoder_seq_len
+            first = self.rows.run_start + len(row_ids) - len(seqs)
+            self.rows.load_run(
+                first,
+                c.seq.block_table,
+                req.cross_block_table,
+                enc,
+                c.seq.token_ids[c.start : c.end],
+                c.start,
+            )
+            row_ids += range(first, first + c.num_tokens)
+            if c.samplers:
+                last_rows.append(len(row_ids) - 1)
+            max_enc = max(max_enc, enc)
+        n = len(seqs)
         greedy = None
         if self.graphs is not None:
             replay = self.graphs.run(row_ids, cross=max_enc > 0)
             logits, rows_t, greedy = replay.logits, replay.rows, replay.greedy
             self.stats.graph_replays[replay.key] += 1
+            if row_chunks:
+                logits, rows_t, greedy = logits[:n], rows_t[:n], greedy[:n]
         else:
             rows_t = to_device(row_ids, torch.int64, self.device)
             logits = self._eager_decode(seqs, rows_t, max_enc)
             self.stats.eager_decode_steps += 1
+        from_rows = None
+        if row_sampling is not None:
+            assert self.graphs is not None
+            idx = to_device(last_rows, torch.int64, self.device)
+            from_rows = self.sampler(
+                replay.logits[idx], row_sampling, greedy_ids=replay.greedy[idx]
+            )
+            self._start_decoding([s for c in row_chunks for s in c.samplers], from_rows)
+        if sampling is None:
+            return None, from_rows
         if not any_constrained(seqs):
             sampling.token_bitmask = None
-            return self._sample_decode(logits, sampling, rows_t, greedy)
+            return self._sample_decode(logits, sampling, rows_t, greedy), from_rows
 
         def finish() -> SamplerOutput:
             # The graph's in-graph argmax is of unmasked logits: never used here.
             sampling.token_bitmask = self.grammar_rows.masks(seqs)
             return self._sample_decode(logits, sampling, rows_t, greedy)
 
-        return finish
+        return finish, from_rows
 
     def _sample_decode(
         self,

@@ -79,6 +79,11 @@ _ENGINE_COUNTERS = (
         "Prefill chunks that did not end their prompt (chunked prefill).",
         "prefill_chunks",
     ),
+    (
+        "vllm:row_chunks",
+        "Prefill chunks run as rows of the step's decode graph instead of an eager forward.",
+        "row_chunks",
+    ),
 )
 
 
