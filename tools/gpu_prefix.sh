@@ -24,24 +24,6 @@ if [ "${SKIP_TESTS:-0}" != 1 ]; then
     >"$OUT/prefix_tests.log" 2>&1
   echo "[$((SECONDS - T0)) s] tests: $(tail -1 "$OUT/prefix_tests.log")"
 fi
-chat() {  # chat TAG [prefix_chat args...]: its report, and /metrics before and after
-  local tag=$1; shift
-  metrics "$OUT/$tag.metrics.before.txt"
-  python3 -m benchmarks.prefix_chat --port "$PORT" --model "$MODEL" "$@" >"$OUT/$tag.json" \
-    2>"$OUT/$tag.err" || tail -5 "$OUT/$tag.err"
-  metrics "$OUT/$tag.metrics.txt"
-  python3 - "$OUT/$tag" <<'PY'
-import sys
-def total(path, name):
-    with open(path) as f:
-        return sum(float(l.rsplit(" ", 1)[1]) for l in f if l.startswith(name))
-tag = sys.argv[1]
-d = {n: total(tag + ".metrics.txt", n) - total(tag + ".metrics.before.txt", n)
-     for n in ("vllm:cross_cache_queries_total", "vllm:cross_cache_hits_total",
-               "vllm:prefix_cache_queries_total", "vllm:prefix_cache_hits_total")}
-print(tag.rsplit("/", 1)[-1], " ".join(f"{k.split(':')[1][:-6]} {v:.0f}" for k, v in d.items()))
-PY
-}
 for mode in on off; do
   flag=--no-enable-prefix-caching
   [ "$mode" = on ] && flag=--enable-prefix-caching
