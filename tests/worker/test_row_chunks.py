@@ -181,3 +181,20 @@ def test_sees_last_group_matches_the_visibility_rules(seed: int) -> None:
     for start in range(len(ids) + 2):
         expected = group is not None and all(s == group for s in seen[start:])
         assert inputs.sees_last_group(start) == expected, (ids, start)
+
+
+def test_long_chunks_and_long_contexts_run_eagerly(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Chunks over the token limit, or whose rows would read too many keys, stay eager."""
+    from vllm.worker import model_runner
+
+    llm = _llm(True)
+    stats = llm.llm_engine.runner.stats
+    llm.generate(["short " * 2], GREEDY, use_tqdm=False)
+    assert stats.row_chunks == 1
+    monkeypatch.setattr(model_runner, "ROW_CHUNK_KEYS", 8)
+    llm.generate(["short " * 2], GREEDY, use_tqdm=False)
+    assert stats.row_chunks == 1
+    monkeypatch.setattr(model_runner, "ROW_CHUNK_KEYS", 256 * 1024)
+    llm.llm_engine.runner.row_chunk_tokens = 2
+    llm.generate(["short " * 2], GREEDY, use_tqdm=False)
+    assert stats.row_chunks == 1

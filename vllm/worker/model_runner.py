@@ -63,7 +63,12 @@ logger = init_logger(__name__)
 
 # The longest chunk run as decode-graph rows (``ModelRunner._row_chunks``); longer ones, and
 # any that would not fit the largest graph beside the step's decode rows, run eagerly.
-ROW_CHUNK_TOKENS = 64
+ROW_CHUNK_TOKENS = 128
+# Each row reads its sequence's keys on its own (the eager kernels read them once per tile of
+# queries), so a row chunk is also bounded by its rows x the self-attention keys the last one
+# sees: 128 rows over 2k tokens, 32 over 8k. (The cross keys are bounded by the largest image
+# group: 6,404 for 4 tiles.)
+ROW_CHUNK_KEYS = 256 * 1024
 
 
 @dataclass
@@ -357,6 +362,8 @@ class ModelRunner:
             req = c.seq.request
             n = c.num_tokens
             if n > min(room, self.row_chunk_tokens) or len(c.samplers) > 1:
+                continue
+            if n * c.end > ROW_CHUNK_KEYS:
                 continue
             if req.params.prompt_logprobs is not None or req.grammar is not None:
                 continue
