@@ -3,18 +3,21 @@
 # shape with dummy bf16 weights: the CUDA tests that cover them, then three servers back to
 # back: prefix caching with row chunks (the default), prefix caching with every chunk eager
 # (model_runner.ROW_CHUNK_TOKENS = 0), caching off. Each runs the second-turn chat (one chat,
-# 4-tile image, ~1,000 tokens of history, 50 new tokens); the first two also the 32x4-turn
-# chats and short text prompts (96 at concurrency 32, 32 words, 64 output tokens).
-# Usage (repository root, offline GPU machine): bash tools/gpu_row_chunks.sh
+# 4-tile image, ~1,000 tokens of history, 50 new tokens) and the 32x4-turn chats; the first
+# two also short text prompts (96 at concurrency 32, 32 tokens, 64 output tokens).
+# Usage (repository root, offline GPU machine): bash tools/gpu_row_chunks.sh [server args...]
+# Env: MODES (a subset of "rows eager off"), REPEAT (10), SKIP_TESTS=1.
 set -uo pipefail
 source tools/gpu_env.sh || exit 1
 PORT=${PORT:-8323}
 MODEL=${MODEL:-demo/mllama-11b}
 source tools/serving_lib.sh
 T0=$SECONDS
-python3 -m pytest -q -p no:cacheprovider tests/worker/test_row_chunks.py \
-  tests/engine/test_prefix_caching.py tests/worker/test_cuda_graph.py >"$OUT/row_tests.log" 2>&1
-echo "[$((SECONDS - T0)) s] tests: $(tail -1 "$OUT/row_tests.log")"
+if [ "${SKIP_TESTS:-0}" != 1 ]; then
+  python3 -m pytest -q -p no:cacheprovider tests/worker/test_row_chunks.py \
+    tests/engine/test_prefix_caching.py tests/worker/test_cuda_graph.py >"$OUT/row_tests.log" 2>&1
+  echo "[$((SECONDS - T0)) s] tests: $(tail -1 "$OUT/row_tests.log")"
+fi
 cat >"$OUT/eager_chunks.py" <<'PY'
 """vLLM's CLI with every prefill chunk run eagerly (no decode-graph rows)."""
 import runpy
@@ -22,17 +25,17 @@ import vllm.worker.model_runner as m
 m.ROW_CHUNK_TOKENS = 0
 runpy.run_module("vllm.entrypoints.cli.main", run_name="__main__")
 PY
-for mode in rows eager off; do
+for mode in ${MODES:-rows eager off}; do
   flag=--enable-prefix-caching
   SERVER_PY=
   [ "$mode" = eager ] && SERVER_PY="$OUT/eager_chunks.py"
   [ "$mode" = off ] && flag=--no-enable-prefix-caching
-  start_server "rows_$mode" --max-model-len 8192 "$flag" || continue
+  start_server "rows_$mode" --max-model-len 8192 "$flag" "$@" || continue
   chat "rows_${mode}_second_turn" --conversations 1 --concurrency 1 --turns 2 \
     --history-words 770 --new-words 38 --output-tokens 64 --repeat "${REPEAT:-10}"
+  chat "rows_${mode}_multi_turn" --conversations 32 --concurrency 32 --turns 4 \
+    --history-words 40 --new-words 38 --output-tokens 64
   if [ "$mode" != off ]; then
-    chat "rows_${mode}_multi_turn" --conversations 32 --concurrency 32 --turns 4 \
-      --history-words 40 --new-words 38 --output-tokens 64
     bench "rows_${mode}_short" --num-prompts 96 --max-concurrency 32 --input-len 32 \
       --output-len 64 --image-ratio 0
   fi
@@ -57,7 +60,7 @@ def reports(path):  # prefix_chat prints one JSON document per repeat
     return docs
 print("server | 2nd-turn TTFT ms (median of repeats) | multi-turn tok/s | later turns TTFT "
       "p50/p99 ms | short prompts tok/s, TTFT p50/p99, ITL p50/p99 ms")
-turn2 = {}
+turn2, multi = {}, {}
 for mode in ("rows", "eager", "off"):
     cells = []
     try:
@@ -69,6 +72,7 @@ for mode in ("rows", "eager", "off"):
     try:
         m = reports(out / f"rows_{mode}_multi_turn.json")[0]
         lt = m["later_turns_ttft_ms"]
+        multi[mode] = m["output_throughput_tok_s"]
         cells.append(f"{m['output_throughput_tok_s']:.1f} | {lt['50']:.0f} / {lt['99']:.0f}")
     except (OSError, ValueError, IndexError, KeyError):
         cells.append("- | -")
@@ -83,4 +87,8 @@ if "off" in turn2:
     for mode in ("rows", "eager"):
         if mode in turn2:
             print(f"2nd-turn TTFT {mode} / caching off: {turn2[mode] / turn2['off']:.3f}")
+if "off" in multi:
+    for mode in ("rows", "eager"):
+        if mode in multi:
+            print(f"multi-turn tok/s {mode} / caching off: {multi[mode] / multi['off']:.2f}x")
 PY
