@@ -24,6 +24,7 @@ import argparse
 import asyncio
 import json
 import time
+from pathlib import Path
 
 import httpx
 import numpy as np
@@ -35,6 +36,18 @@ from vllm.entrypoints.cli.benchmark.serve_client import (
     noise_jpeg_data_url,
     send_request,
 )
+
+
+def read_reports(path: str | Path) -> list[dict]:
+    """The reports a run wrote (one JSON document per ``--repeat``, back to back)."""
+    text, dec, docs, i = Path(path).read_text(), json.JSONDecoder(), [], 0
+    while i < len(text):
+        if text[i].isspace():
+            i += 1
+            continue
+        doc, i = dec.raw_decode(text, i)
+        docs.append(doc)
+    return docs
 
 
 async def _conversation(client, url, args, index: int, rng, sem, results) -> None:

@@ -40,15 +40,7 @@ python3 - "$OUT" <<'PY'
 import json, sys
 from pathlib import Path
 out = Path(sys.argv[1])
-def reports(path):  # prefix_chat prints one JSON document per repeat
-    text, dec, docs, i = path.read_text(), json.JSONDecoder(), [], 0
-    while i < len(text):
-        if text[i].isspace():
-            i += 1
-            continue
-        doc, i = dec.raw_decode(text, i)
-        docs.append(doc)
-    return docs
+from benchmarks.prefix_chat import read_reports as reports
 rows = {}
 for mode in ("on", "off"):
     nan = float("nan")

@@ -49,15 +49,7 @@ python3 - "$OUT" <<'PY'
 import json, sys
 from pathlib import Path
 out = Path(sys.argv[1])
-def reports(path):  # prefix_chat prints one JSON document per repeat
-    text, dec, docs, i = path.read_text(), json.JSONDecoder(), [], 0
-    while i < len(text):
-        if text[i].isspace():
-            i += 1
-            continue
-        doc, i = dec.raw_decode(text, i)
-        docs.append(doc)
-    return docs
+from benchmarks.prefix_chat import read_reports as reports
 print("server | 2nd-turn TTFT ms (median of repeats) | multi-turn tok/s | later turns TTFT "
       "p50/p99 ms | short prompts tok/s, TTFT p50/p99, ITL p50/p99 ms")
 turn2, multi = {}, {}

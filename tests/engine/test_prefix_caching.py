@@ -9,11 +9,10 @@ import numpy as np
 import pytest
 import torch
 from helpers.compare import check_logprobs_close, vllm_greedy
+from helpers.spies import PrefillTokens
 from PIL import Image
 
 from vllm import LLM, SamplingParams
-from vllm.attention.metadata import PrefillMetadata
-from vllm.forward_context import get_attention_metadata
 from vllm.model_executor.models.mllama_vision import ImagesEncoding
 from vllm.worker import model_runner
 
@@ -56,23 +55,6 @@ def _same(ref: list, got: list, name: str) -> None:
             if t0 != t1:
                 break
             assert abs(lp0[t0] - lp1[t1]) < 1e-3, (lp0, lp1)
-
-
-class _ComputedTokens:
-    """Counts the prompt tokens the model's prefill forwards compute (padding rows not)."""
-
-    def __init__(self, llm: LLM, monkeypatch: pytest.MonkeyPatch) -> None:
-        model = llm.llm_engine.runner.model
-        self.tokens = 0
-        forward = model.forward
-
-        def spy(*args, **kwargs):
-            md = get_attention_metadata()
-            if isinstance(md, PrefillMetadata):
-                self.tokens += sum(md.seq_lens)
-            return forward(*args, **kwargs)
-
-        monkeypatch.setattr(model, "forward", spy)
 
 
 class _VisionImages:
@@ -159,7 +141,7 @@ def test_second_turn_equals_no_caching_and_computes_only_new_tokens(
         _as_ids(llm, p, p["prompt_token_ids"] + list(o.outputs[0].token_ids) + new)
         for p, o in zip(first, out1, strict=True)
     ]
-    spy = _ComputedTokens(llm, monkeypatch)
+    spy = PrefillTokens(llm, monkeypatch)
     vision.images = 0
     cross_hits = pool.cross_cache_hits
     queries, hits = pool.prefix_cache_queries, pool.prefix_cache_hits

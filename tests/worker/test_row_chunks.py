@@ -10,11 +10,10 @@ import random
 import numpy as np
 import pytest
 from helpers.compare import check_logprobs_close, vllm_greedy
+from helpers.spies import PrefillTokens
 from PIL import Image
 
 from vllm import LLM, SamplingParams
-from vllm.attention.metadata import PrefillMetadata
-from vllm.forward_context import get_attention_metadata
 from vllm.multimodal.cross_attention import image_runs, last_group
 from vllm.multimodal.processing import ProcessedInputs
 
@@ -47,23 +46,6 @@ def _close(ref: list, got: list, name: str) -> None:
     for a, b in zip(vllm_greedy(ref), vllm_greedy(got), strict=True):
         if a[0][0] == b[0][0]:  # the first token is sampled from the chunk's last row
             assert abs(a[1][0][a[0][0]] - b[1][0][b[0][0]]) < 1e-3
-
-
-class _EagerPrefillTokens:
-    """Counts the tokens the model computes in eager prefill forwards."""
-
-    def __init__(self, llm: LLM, monkeypatch: pytest.MonkeyPatch) -> None:
-        model = llm.llm_engine.runner.model
-        self.tokens = 0
-        forward = model.forward
-
-        def spy(*args, **kwargs):
-            md = get_attention_metadata()
-            if isinstance(md, PrefillMetadata):
-                self.tokens += sum(md.seq_lens)
-            return forward(*args, **kwargs)
-
-        monkeypatch.setattr(model, "forward", spy)
 
 
 def test_short_text_prompts_next_to_running_decodes() -> None:
@@ -119,7 +101,7 @@ def test_turn_over_a_cached_image_runs_as_rows(monkeypatch: pytest.MonkeyPatch) 
         turn = {k: v for k, v in p.items() if k != "prompt"}
         turn["prompt_token_ids"] = ids + list(o.outputs[0].token_ids) + new
         second.append(turn)
-    spy = _EagerPrefillTokens(llm, monkeypatch)
+    spy = PrefillTokens(llm, monkeypatch)
     before = llm.llm_engine.runner.stats.row_chunks
     out2 = [llm.generate([t], GREEDY, use_tqdm=False)[0] for t in second]
     assert spy.tokens == 0
