@@ -55,7 +55,8 @@ class SchedulerOutput:
 
     @property
     def sample_seqs(self) -> list[Sequence]:
-        """The sequences that get a token from this step, in the results' order."""
+        """The sequences that get a token from this step (the runner's results put the
+        chunks it runs as decode-graph rows before the eager ones)."""
         return self.decode_seqs + [s for c in self.chunks for s in c.samplers]
 
     @property

@@ -76,15 +76,23 @@ class DecodeRows:
     def load(self, row: int, block_table: list[int], cross_table: list[int],
              encoder_len: int, position: int) -> None:
         """Initialises a row after its prefill (the token is written by the sampler)."""
-        bt = torch.zeros(self.block_tables.shape[1], dtype=torch.int32)
-        bt[:len(block_table)] = torch.tensor(block_table, dtype=torch.int32)
-        ct = torch.zeros(self.cross_tables.shape[1], dtype=torch.int32)
-        if cross_table:
-            ct[:len(cross_table)] = torch.tensor(cross_table, dtype=torch.int32)
-        self.block_tables[row].copy_(to_device(bt, torch.int32, self.device))
-        self.cross_tables[row].copy_(to_device(ct, torch.int32, self.device))
+        bt, ct = self._tables(block_table, cross_table)
+        self.block_tables[row].copy_(bt)
+        self.cross_tables[row].copy_(ct)
         self.encoder_lens[row:row + 1].fill_(encoder_len)
         self.positions[row:row + 1].fill_(position)
+
+    def _tables(self, block_table: list[int],
+                cross_table: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        """A sequence's page tables at the rows' widths, zero-padded, on the device (one
+        upload)."""
+        width = self.block_tables.shape[1]
+        host = torch.zeros(width + self.cross_tables.shape[1], dtype=torch.int32)
+        host[:len(block_table)] = torch.tensor(block_table, dtype=torch.int32)
+        if cross_table:
+            host[width:width + len(cross_table)] = torch.tensor(cross_table, dtype=torch.int32)
+        tables = to_device(host, torch.int32, self.device)
+        return tables[:width], tables[width:]
 
     def load_run(self, first: int, block_table: list[int], cross_table: list[int],
                  encoder_len: int, tokens: list[int], position: int) -> None:
@@ -93,16 +101,10 @@ class DecodeRows:
         their positions and attend to everything before (causal), as its prefill would."""
         n = len(tokens)
         assert self.run_start <= first and first + n <= self.run_start + self.run_rows
-        bt = torch.zeros(self.block_tables.shape[1], dtype=torch.int32)
-        bt[:len(block_table)] = torch.tensor(block_table, dtype=torch.int32)
-        ct = torch.zeros(self.cross_tables.shape[1], dtype=torch.int32)
-        if cross_table:
-            ct[:len(cross_table)] = torch.tensor(cross_table, dtype=torch.int32)
-        tables = to_device(torch.cat([bt, ct]), torch.int32, self.device)
-        w = bt.shape[0]
+        bt, ct = self._tables(block_table, cross_table)
         rows = slice(first, first + n)
-        self.block_tables[rows].copy_(tables[:w].expand(n, -1))
-        self.cross_tables[rows].copy_(tables[w:].expand(n, -1))
+        self.block_tables[rows].copy_(bt.expand(n, -1))
+        self.cross_tables[rows].copy_(ct.expand(n, -1))
         self.encoder_lens[rows].fill_(encoder_len)
         toks = to_device(tokens, torch.int64, self.device)
         self.tokens[rows].copy_(toks)
