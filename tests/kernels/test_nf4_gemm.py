@@ -25,7 +25,13 @@ _BITS = {torch.bfloat16: torch.int16, torch.float16: torch.int16, torch.float32:
 
 
 def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
-    return a.dtype == b.dtype and torch.equal(a.view(_BITS[a.dtype]), b.view(_BITS[b.dtype]))
+    """Bitwise equal, but for the sign of zeros: bitsandbytes' own CPU dequantization gives
+    FP4's negative-zero pattern (index 8) as -0.0 on some machines (an AMD EPYC with AVX2)
+    and +0.0 on others, so no fixed choice matches it everywhere (``bnb_codec.device_code``
+    follows its CUDA kernel on CUDA). Adding +0.0 turns -0.0 into +0.0 and nothing else."""
+    return a.dtype == b.dtype and torch.equal(
+        (a + 0.0).view(_BITS[a.dtype]), (b + 0.0).view(_BITS[b.dtype])
+    )
 
 
 CASES = [
