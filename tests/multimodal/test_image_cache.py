@@ -290,6 +290,25 @@ def test_cached_pixels_equal_the_uncached_path(parts) -> None:
             assert same_inputs(on.process(prompt(on, [img])), ref)
 
 
+def test_one_image_shares_its_entry_two_are_stacked(parts) -> None:
+    """A one-image request's pixels are its cache entry itself (a resent image costs no copy);
+    two images are stacked into a tensor of their own, and neither path writes the entries."""
+    proc = make(parts)
+    a, b = pil(120, 30, seed=8), pil(40, 90, seed=9)
+    first = proc.process(prompt(proc, [a])).images
+    entry = proc.cached_image(first.digests[0], None)
+    assert entry is not None
+    snapshot = entry.pixel_values.clone()
+    again = proc.process(prompt(proc, [a])).images
+    for got in (first, again):
+        assert got.pixel_values.shape == (1, *entry.pixel_values.shape)
+        assert got.pixel_values.data_ptr() == entry.pixel_values.data_ptr()
+    both = proc.process(prompt(proc, [a, b])).images
+    assert both.pixel_values.data_ptr() != entry.pixel_values.data_ptr()
+    assert both.pixel_values[0].equal(snapshot)
+    assert entry.pixel_values.equal(snapshot)
+
+
 def test_tenants_salts_keep_their_entries_apart(parts) -> None:
     """A hit is visible in timing, so each salt has its own entries; the image's identity
     (what prefix keys are built from) is the same for all of them."""

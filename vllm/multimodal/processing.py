@@ -41,7 +41,8 @@ DATA_URL_MEMO_ENTRIES = 4096
 
 @dataclass
 class ImageInputs:
-    """A request's images, processed. pixel_values: [N, max_tiles, C, S, S] float32."""
+    """A request's images, processed. pixel_values: [N, max_tiles, C, S, S] in the model's
+    dtype; for one image, a view of its processed-image entry (shared, so never written to)."""
 
     pixel_values: torch.Tensor
     aspect_ratio_ids: torch.Tensor  # [N] int64 (1-based; 0 is never used here)
@@ -243,9 +244,14 @@ class MllamaInputProcessor:
             digests.append(digest)
             entries.append(entry)
         first = entries[0].pixel_values
-        pixels = torch.empty((len(entries), *first.shape), dtype=first.dtype,
-                             pin_memory=self.pin_memory)
-        torch.stack([e.pixel_values for e in entries], out=pixels)
+        if len(entries) == 1 and (first.is_pinned() or not self.pin_memory):
+            # One image: its (pinned) cache entry as is, never written to (``ProcessedImage``),
+            # so a resent image costs no copy and no pinned allocation.
+            pixels = first.unsqueeze(0)
+        else:
+            pixels = torch.empty((len(entries), *first.shape), dtype=first.dtype,
+                                 pin_memory=self.pin_memory)
+            torch.stack([e.pixel_values for e in entries], out=pixels)
         ratio_ids = torch.tensor([e.aspect_ratio_id for e in entries], dtype=torch.long)
         return ImageInputs(pixel_values=pixels, aspect_ratio_ids=ratio_ids,
                            num_tiles=[e.num_tiles for e in entries], digests=digests)
@@ -257,10 +263,13 @@ class MllamaInputProcessor:
         ratio_ids = out["aspect_ratio_ids"][0].long()
         if pixels.shape[1] < self.spec.vision.max_num_tiles:  # max_image_tiles was lowered
             pixels, ratio_ids = self._to_model_tiles(pixels, ratio_ids)
-        # [max_tiles, C, S, S], owning its storage (a cache entry keeps nothing else alive).
-        tiles = pixels[0].to(self.pixel_dtype).contiguous()
-        if tiles.untyped_storage().nbytes() != tiles.nbytes:
-            tiles = tiles.clone()
+        # [max_tiles, C, S, S], owning its storage (a cache entry keeps nothing else alive);
+        # on CUDA in pinned memory, where a one-image request uses it without a copy.
+        tiles = pixels[0].to(self.pixel_dtype)
+        if self.pin_memory:
+            tiles = tiles.pin_memory()
+        elif not tiles.is_contiguous() or tiles.untyped_storage().nbytes() != tiles.nbytes:
+            tiles = tiles.clone(memory_format=torch.contiguous_format)
         return ProcessedImage(tiles, int(ratio_ids[0]), int(out["num_tiles"][0][0]),
                               tuple(image.size))
 
