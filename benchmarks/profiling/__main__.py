@@ -18,6 +18,10 @@ COMMANDS = {
         "host time of bs=1 decode steps without the profiler: launch vs replay, GC, "
         "cProfile, replay with a queue",
     ),
+    "chunk": (
+        "benchmarks.profiling.chunk_host",
+        "short prefill chunks over a cached context: rows vs eager, host time, cProfile",
+    ),
     "gaps": (
         "benchmarks.profiling.gaps",
         "GPU idle gaps of one image prefill, graph vs eager kernels, syncing calls",
