@@ -22,6 +22,7 @@ from typing import Any
 from vllm.entrypoints.chat_template import ChatTemplateBudget, render_template
 from vllm.multimodal.image import ImageMediaConnector, check_image
 from vllm.multimodal.image_identity import EncodedImageLookup
+from vllm.transformers_utils.segment_tokenizer import segment_tokenizer
 
 # Keys a request's chat_template_kwargs may not override (they are set from the request).
 _RESERVED_TEMPLATE_KWARGS = frozenset(
@@ -265,7 +266,11 @@ def render_chat_prompt(
 
 
 def tokenize_chat_prompt(tokenizer: Any, text: str, add_special_tokens: bool = False) -> list[int]:
-    return list(tokenizer(text, add_special_tokens=add_special_tokens)["input_ids"])
+    """The rendered prompt's ids. Without the tokenizer's own special tokens (the chat
+    default), the history a client resends is not tokenized again (``segment_tokenizer``)."""
+    if add_special_tokens:
+        return list(tokenizer(text, add_special_tokens=True)["input_ids"])
+    return segment_tokenizer(tokenizer).encode(text)
 
 
 def make_prompt(token_ids: list[int], text: str, images: list[Any]) -> dict[str, Any]:
