@@ -59,6 +59,20 @@ def test_a_resent_history_is_not_tokenized_again(tiny_tokenizer) -> None:
     assert seg.misses == misses and seg.hits >= 1  # the history came from the cache
 
 
+def test_salted_requests_share_no_piece(tiny_tokenizer) -> None:
+    """A hit shows in timing: pieces are remembered per ``cache_salt``, as images and pages."""
+    seg = SegmentTokenizer(tiny_tokenizer)
+    text = "<|eot_id|>" + "a document every tenant might send " * 8
+    ref = _reference(tiny_tokenizer, text)
+    assert seg.encode(text, "tenant-a") == ref
+    for salt in (None, "tenant-b"):
+        misses = seg.misses
+        assert seg.encode(text, salt) == ref
+        assert seg.misses == misses + 1
+    hits = seg.hits
+    assert seg.encode(text, "tenant-a") == ref and seg.hits == hits + 1
+
+
 def test_bounded_in_bytes(tiny_tokenizer) -> None:
     seg = SegmentTokenizer(tiny_tokenizer, max_bytes=4096)
     for i in range(40):

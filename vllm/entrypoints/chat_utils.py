@@ -265,12 +265,15 @@ def render_chat_prompt(
     return _cut_after_final_message(text) if continue_final_message else text
 
 
-def tokenize_chat_prompt(tokenizer: Any, text: str, add_special_tokens: bool = False) -> list[int]:
+def tokenize_chat_prompt(
+    tokenizer: Any, text: str, add_special_tokens: bool = False, cache_salt: str | None = None
+) -> list[int]:
     """The rendered prompt's ids. Without the tokenizer's own special tokens (the chat
-    default), the history a client resends is not tokenized again (``segment_tokenizer``)."""
+    default), the history a client resends is not tokenized again (``segment_tokenizer``;
+    its cache is kept apart per ``cache_salt``, as the other caches are)."""
     if add_special_tokens:
         return list(tokenizer(text, add_special_tokens=True)["input_ids"])
-    return segment_tokenizer(tokenizer).encode(text)
+    return segment_tokenizer(tokenizer).encode(text, cache_salt)
 
 
 def make_prompt(token_ids: list[int], text: str, images: list[Any]) -> dict[str, Any]:
@@ -290,6 +293,7 @@ def _render_and_tokenize(
     chat_template_kwargs: dict[str, Any] | None,
     add_special_tokens: bool,
     budget: ChatTemplateBudget | None = None,
+    cache_salt: str | None = None,
 ) -> tuple[str, list[int]]:
     text = render_chat_prompt(
         tokenizer,
@@ -300,7 +304,7 @@ def _render_and_tokenize(
         chat_template_kwargs,
         budget,
     )
-    return text, tokenize_chat_prompt(tokenizer, text, add_special_tokens)
+    return text, tokenize_chat_prompt(tokenizer, text, add_special_tokens, cache_salt)
 
 
 def parse_chat_messages(
@@ -348,6 +352,7 @@ async def parse_chat_messages_async(
     add_special_tokens: bool = False,
     budget: ChatTemplateBudget | None = None,
     lookup: EncodedImageLookup | None = None,
+    cache_salt: str | None = None,
 ) -> dict[str, Any]:
     """The server's path: the template (under ``budget``) and tokenizer run in a worker thread
     while the images are fetched and decoded concurrently, all of them within the media
@@ -367,6 +372,7 @@ async def parse_chat_messages_async(
         chat_template_kwargs,
         add_special_tokens,
         budget,
+        cache_salt,
     )
     fetches = media.fetch_images_async(parsed.image_sources, lookup)
     rendered, images = await asyncio.gather(render, fetches, return_exceptions=True)

@@ -27,7 +27,7 @@ from typing import Any
 # Pieces at least this long are remembered (a message's text); shorter ones (role names,
 # separators) are cheaper to tokenize again than to look up.
 MIN_CACHED_CHARS = 128
-# Bound of the cache: characters of remembered text plus 8 bytes per remembered id.
+# Bound of the cache: characters of remembered text (and salts) plus 8 bytes per remembered id.
 MAX_CACHE_BYTES = 64 << 20
 
 _PROBE = (
@@ -60,7 +60,8 @@ class SegmentTokenizer:
         self.tokenizer = tokenizer
         self.max_bytes = max_bytes
         self._lock = threading.Lock()
-        self._cache: OrderedDict[str, array] = OrderedDict()
+        # (cache_salt, piece) -> ids
+        self._cache: OrderedDict[tuple[str | None, str], array] = OrderedDict()
         self._bytes = 0
         self.hits = self.misses = 0
         self._backend = _splittable(tokenizer)
@@ -82,13 +83,14 @@ class SegmentTokenizer:
     def _reference(self, text: str) -> list[int]:
         return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
 
-    def encode(self, text: str) -> list[int]:
-        """The ids of ``text`` without the tokenizer's own special tokens (BOS)."""
+    def encode(self, text: str, cache_salt: str | None = None) -> list[int]:
+        """The ids of ``text`` without the tokenizer's own special tokens (BOS). Pieces are
+        remembered per ``cache_salt``: a hit shows in timing, so tenants share none."""
         if self._backend is None:
             return self._reference(text)
-        return self._encode(text)
+        return self._encode(text, cache_salt)
 
-    def _encode(self, text: str) -> list[int]:
+    def _encode(self, text: str, cache_salt: str | None = None) -> list[int]:
         parts = self._split.split(text)  # text, added token, text, ..., text
         found: dict[int, array] = {}
         todo: list[int] = []
@@ -99,20 +101,24 @@ class SegmentTokenizer:
                     if piece:
                         todo.append(i)
                     continue
-                ids = self._cache.get(piece)
+                ids = self._cache.get((cache_salt, piece))
                 if ids is None:
                     self.misses += 1
                     todo.append(i)
                 else:
                     self.hits += 1
-                    self._cache.move_to_end(piece)
+                    self._cache.move_to_end((cache_salt, piece))
                     found[i] = ids
         if todo:
             encoded = self._backend.encode_batch([parts[i] for i in todo], add_special_tokens=False)
             fresh = {i: array("l", e.ids) for i, e in zip(todo, encoded, strict=True)}
             found.update(fresh)
             self._remember(
-                {parts[i]: ids for i, ids in fresh.items() if len(parts[i]) >= MIN_CACHED_CHARS}
+                {
+                    (cache_salt, parts[i]): ids
+                    for i, ids in fresh.items()
+                    if len(parts[i]) >= MIN_CACHED_CHARS
+                }
             )
         out: list[int] = []
         for i, part in enumerate(parts):
@@ -122,22 +128,25 @@ class SegmentTokenizer:
                 out.extend(found[i])
         return out
 
-    def _remember(self, entries: dict[str, array]) -> None:
+    def _remember(self, entries: dict[tuple[str | None, str], array]) -> None:
         with self._lock:
-            for piece, ids in entries.items():
-                size = len(piece) + 8 * len(ids)
-                if size > self.max_bytes or piece in self._cache:
+            for key, ids in entries.items():
+                size = _size(key, ids)
+                if size > self.max_bytes or key in self._cache:
                     continue
-                self._cache[piece] = ids
+                self._cache[key] = ids
                 self._bytes += size
                 while self._bytes > self.max_bytes:
-                    old, old_ids = self._cache.popitem(last=False)
-                    self._bytes -= len(old) + 8 * len(old_ids)
+                    self._bytes -= _size(*self._cache.popitem(last=False))
 
     @property
     def num_bytes(self) -> int:
         with self._lock:
             return self._bytes
+
+
+def _size(key: tuple[str | None, str], ids: array) -> int:
+    return len(key[0] or "") + len(key[1]) + 8 * len(ids)
 
 
 _REGISTRY: weakref.WeakKeyDictionary[Any, SegmentTokenizer] = weakref.WeakKeyDictionary()

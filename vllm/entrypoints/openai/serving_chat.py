@@ -183,6 +183,7 @@ class OpenAIServingChat(OpenAIServing):
                 add_special_tokens=request.add_special_tokens,
                 budget=self.ctx.limits.chat_template_budget,
                 lookup=self.engine.engine.input_processor.image_lookup(request.cache_salt),
+                cache_salt=request.cache_salt,
             )
         except ValueError as e:
             raise bad_request(str(e)) from None
