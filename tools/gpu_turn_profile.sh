@@ -26,6 +26,7 @@ pack() { tar czf "$FINAL/raw.tgz" -C "$OUT" .; }
 PORT=${PORT:-8333}
 MODEL=${MODEL:-demo/mllama-11b}
 PARTS=${PARTS:-chunk pinned turns}
+source tools/serving_lib.sh
 T0=$SECONDS
 if [[ " $PARTS " == *" pinned "* ]]; then  # what a one-image request used to copy
   python3 - <<'PY'
@@ -47,22 +48,8 @@ fi
 if [[ " $PARTS " == *" turns "* ]]; then
 turns() {  # turns TAG PROGRAM [server flags...]: one server, REPEAT second turns, its timeline
   local tag=$1 prog=$2; shift 2
-  TIMELINE=$OUT/timeline_$tag.json python3 $prog "$MODEL" --load-format dummy \
-    --dtype bfloat16 --max-num-seqs 256 --max-model-len 8192 --port "$PORT" "$@" \
-    >"$OUT/turns_$tag.server.log" 2>&1 &
-  SRV=$!
-  python3 - "$PORT" <<'PY' || { tail -30 "$OUT/turns_$tag.server.log"; kill $SRV; return 1; }
-import sys, time, httpx
-url = f"http://127.0.0.1:{sys.argv[1]}/health"
-for _ in range(1200):
-    try:
-        if httpx.get(url, timeout=2).status_code == 200:
-            sys.exit(0)
-    except httpx.HTTPError:
-        pass
-    time.sleep(0.5)
-sys.exit(1)
-PY
+  SERVER_CMD=$prog start_server "turns_$tag" TIMELINE="$OUT/timeline_$tag.json" \
+    --max-num-seqs 256 --max-model-len 8192 "$@" || return 1
   echo "[$((SECONDS - T0)) s] $tag server up"
   SPY=
   if [ "$tag" = new ] && [ -x /tmp/site/bin/py-spy ]; then
@@ -76,7 +63,7 @@ PY
     --repeat "${REPEAT:-10}" >"$OUT/turns_$tag.json" 2>"$OUT/turns_$tag.err" \
     || tail -5 "$OUT/turns_$tag.err"
   [ -n "$SPY" ] && { kill -INT "$SPY"; wait "$SPY"; tail -1 "$OUT/pyspy.log"; }
-  kill -TERM "$SRV"; wait "$SRV"
+  stop_server
   echo "[$((SECONDS - T0)) s] $tag turns done"
   pack
 }

@@ -1,7 +1,8 @@
 # Shared by the GPU serving scripts (source it): one server at a time on $PORT, its log and
 # /metrics snapshots under $OUT, and `vllm bench serve` runs saved as $OUT/TAG.json.
 # Needs MODEL, PORT and OUT; TRACE=1 runs servers under `python -m benchmarks.profiling serve`,
-# SERVER_PY=FILE under that Python file instead of vLLM's CLI module (it gets the CLI's args).
+# SERVER_PY=FILE under that Python file instead of vLLM's CLI module (it gets the CLI's args),
+# SERVER_CMD="ARGS" as `python3 ARGS MODEL [server args]` (no `serve` added).
 SRV=
 COMMON=(--percentile-metrics ttft,tpot,itl,e2el --metric-percentiles 50,90,99 --disable-tqdm
         --save-detailed)
@@ -10,13 +11,14 @@ start_server() {  # start_server TAG [NAME=VALUE...] [server args...]
   local tag=$1; shift
   local envs=()
   while [[ $# -gt 0 && $1 =~ ^[A-Z_][A-Z0-9_]*= ]]; do envs+=("$1"); shift; done
-  local server=(-m vllm.entrypoints.cli.main)
+  local server=(-m vllm.entrypoints.cli.main serve)
   if [ "${TRACE:-0}" = 1 ]; then
     export STEP_TRACE="$OUT/$tag.trace.json"
-    server=(-m benchmarks.profiling)
+    server=(-m benchmarks.profiling serve)
   fi
-  [ -n "${SERVER_PY:-}" ] && server=("$SERVER_PY")
-  env "${envs[@]}" python3 "${server[@]}" serve "$MODEL" --load-format dummy --dtype bfloat16 \
+  [ -n "${SERVER_PY:-}" ] && server=("$SERVER_PY" serve)
+  [ -n "${SERVER_CMD:-}" ] && read -ra server <<<"$SERVER_CMD"
+  env "${envs[@]}" python3 "${server[@]}" "$MODEL" --load-format dummy --dtype bfloat16 \
     --max-num-seqs 64 --port "$PORT" "$@" >"$OUT/$tag.server.log" 2>&1 &
   SRV=$!
   python3 - "$PORT" <<'PY' || { tail -30 "$OUT/$tag.server.log"; stop_server; return 1; }
