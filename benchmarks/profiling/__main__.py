@@ -22,6 +22,10 @@ COMMANDS = {
         "benchmarks.profiling.chunk_host",
         "short prefill chunks over a cached context: rows vs eager, host time, cProfile",
     ),
+    "inputs": (
+        "benchmarks.profiling.turn_inputs",
+        "a chat turn's input steps on the host: JSON, template, tokenization, image lookup",
+    ),
     "gaps": (
         "benchmarks.profiling.gaps",
         "GPU idle gaps of one image prefill, graph vs eager kernels, syncing calls",
