@@ -102,8 +102,9 @@ if "off" in med:
 PY
 fi
 if [[ " $PARTS " == *" chunk "* ]]; then
-  python3 -m benchmarks.profiling chunk --out "$OUT" --repeat 5 >"$OUT/chunk.log" 2>&1
-  grep -E '^(kind|text|image) ' "$OUT/chunk.log" || tail -20 "$OUT/chunk.log"
+  # Rows printed as they come, so that a run cut short still shows the cases it finished.
+  python3 -m benchmarks.profiling chunk --out "$OUT" --repeat 5 2>&1 | tee "$OUT/chunk.log" \
+    | grep --line-buffered -E '^\{|^(kind|text|image) '
   echo "[$((SECONDS - T0)) s] chunk done"
   pack
 fi
