@@ -6,6 +6,7 @@
 #   2. a prefix-caching server under the request timeline (`benchmarks.profiling timeline`),
 #      sampled by py-spy (when .whl/ carries it) during REPEAT second turns of one chat
 #      (`benchmarks.prefix_chat`, ~1,000 tokens of history, 50 new, a 4-tile image resent);
+#   inputs: `python -m benchmarks.profiling inputs`, a turn's input steps on this host;
 #   pinned: the pinned allocation and copy a one-image request made before its pixels were
 #      its processed-image cache entry.
 # The turns run on three servers back to back (VARIANTS, default "new old off"): new (the
@@ -14,7 +15,7 @@
 # Writes (packed in $OUT/raw.tgz) chunk_host.json, chunk_cprofile.txt, timeline_TAG.json,
 # turns_TAG.json, pyspy.txt (raw stacks, new only) and the server logs; prints the tables.
 # Usage (repository root, offline GPU machine): bash tools/gpu_turn_profile.sh
-# Env: PARTS (a subset of "chunk pinned turns"), VARIANTS, REPEAT (10).
+# Env: PARTS (a subset of "inputs pinned turns chunk"), VARIANTS, REPEAT (10).
 set -uo pipefail
 source tools/gpu_env.sh || exit 1
 # Raw files are written outside $OUT and packed into $OUT/raw.tgz after each part (a run may
@@ -25,9 +26,12 @@ mkdir -p "$OUT"
 pack() { tar czf "$FINAL/raw.tgz" -C "$OUT" .; }
 PORT=${PORT:-8333}
 MODEL=${MODEL:-demo/mllama-11b}
-PARTS=${PARTS:-chunk pinned turns}
+PARTS=${PARTS:-inputs pinned turns chunk}
 source tools/serving_lib.sh
 T0=$SECONDS
+if [[ " $PARTS " == *" inputs "* ]]; then  # the input steps alone, on this host
+  python3 -m benchmarks.profiling inputs --repeat 30 2>&1 | grep " ms$"
+fi
 if [[ " $PARTS " == *" pinned "* ]]; then  # what a one-image request used to copy
   python3 - <<'PY'
 import statistics, sys, time, torch
