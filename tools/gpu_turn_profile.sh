@@ -1,21 +1,21 @@
 #!/usr/bin/env bash
 # Where a chat turn over a cached history spends its time (issue #30), one GPU, 11B shape with
-# dummy bf16 weights:
-#   1. `python -m benchmarks.profiling chunk`: short chunks over a cached context as decode
-#      rows and eagerly (wall and host time, cProfile of the eager image case);
-#   2. a prefix-caching server under the request timeline (`benchmarks.profiling timeline`),
-#      sampled by py-spy (when .whl/ carries it) during REPEAT second turns of one chat
-#      (`benchmarks.prefix_chat`, ~1,000 tokens of history, 50 new, a 4-tile image resent);
+# dummy bf16 weights. Parts, in this order (PARTS, default all):
 #   inputs: `python -m benchmarks.profiling inputs`, a turn's input steps on this host;
 #   pinned: the pinned allocation and copy a one-image request made before its pixels were
-#      its processed-image cache entry.
-# The turns run on three servers back to back (VARIANTS, default "new old off"): new (the
-# current code), old (tools/turn_baseline.py: the input path before the tokenization cache and
-# the one-image pixel view) and off (caching off, the current code).
-# Writes (packed in $OUT/raw.tgz) chunk_host.json, chunk_cprofile.txt, timeline_TAG.json,
-# turns_TAG.json, pyspy.txt (raw stacks, new only) and the server logs; prints the tables.
+#      its processed-image cache entry;
+#   turns: REPEAT second turns of one chat (`benchmarks.prefix_chat`, ~1,000 tokens of
+#      history, 50 new, a 4-tile image resent) under the request timeline (`benchmarks.
+#      profiling timeline`) on servers back to back (VARIANTS, default "new old off"): new
+#      (the current code, sampled by py-spy when .whl/ carries it), old (tools/
+#      turn_baseline.py: the input path before the tokenization cache and the one-image pixel
+#      view) and off (caching off, the current code);
+#   chunk: `python -m benchmarks.profiling chunk`, short chunks over a cached context as
+#      decode rows and eagerly (wall and host time, cProfile of the eager image case).
+# Raw files (chunk_host.json, chunk_cprofile.txt, timeline_TAG.json, turns_TAG.json, pyspy.txt,
+# server logs) are packed in $OUT/raw.tgz; the tables are printed.
 # Usage (repository root, offline GPU machine): bash tools/gpu_turn_profile.sh
-# Env: PARTS (a subset of "inputs pinned turns chunk"), VARIANTS, REPEAT (10).
+# Env: PARTS, VARIANTS, REPEAT (10).
 set -uo pipefail
 source tools/gpu_env.sh || exit 1
 # Raw files are written outside $OUT and packed into $OUT/raw.tgz after each part (a run may
