@@ -23,20 +23,29 @@ class ImageRun:
     img_end: int
 
 
+def image_positions(token_ids: Sequence[int], image_token_id: int) -> list[int]:
+    """Positions of the image tokens, found by ``index`` (a scan in C: a chat's history is
+    thousands of tokens and holds a few images)."""
+    positions: list[int] = []
+    pos = -1
+    while True:
+        try:
+            pos = token_ids.index(image_token_id, pos + 1)
+        except ValueError:
+            return positions
+        positions.append(pos)
+
+
 def image_groups(token_ids: Sequence[int], image_token_id: int) -> list[tuple[int, int, int]]:
     """Groups of consecutive image tokens as (first position, first image index, image count)."""
     groups: list[tuple[int, int, int]] = []
-    n_images = 0
     prev = -2
-    for pos, tok in enumerate(token_ids):
-        if tok != image_token_id:
-            continue
+    for n_images, pos in enumerate(image_positions(token_ids, image_token_id)):
         if pos == prev + 1:
             start, first, count = groups[-1]
             groups[-1] = (start, first, count + 1)
         else:
             groups.append((pos, n_images, 1))
-        n_images += 1
         prev = pos
     return groups
 
@@ -64,4 +73,4 @@ def last_group(token_ids: Sequence[int], image_token_id: int) -> tuple[int, int]
 
 
 def count_image_tokens(token_ids: Sequence[int], image_token_id: int) -> int:
-    return sum(1 for t in token_ids if t == image_token_id)
+    return token_ids.count(image_token_id)

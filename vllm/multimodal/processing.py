@@ -297,10 +297,11 @@ class MllamaInputProcessor:
         spec = self.spec
         if not token_ids:
             raise ValueError("The prompt is empty.")
-        bad = [t for t in token_ids if not 0 <= t < spec.text.num_embeddings]
-        if bad:
-            raise ValueError(f"Token id {bad[0]} is out of vocabulary "
-                             f"(valid ids are 0..{spec.text.num_embeddings - 1}).")
+        limit = spec.text.num_embeddings
+        if min(token_ids) < 0 or max(token_ids) >= limit:  # scans in C, then find which
+            bad = next(t for t in token_ids if not 0 <= t < limit)
+            raise ValueError(f"Token id {bad} is out of vocabulary "
+                             f"(valid ids are 0..{limit - 1}).")
         if len(token_ids) >= self.max_model_len:
             raise ValueError(
                 f"The prompt is {len(token_ids)} tokens long, which leaves no room to generate "
@@ -342,7 +343,7 @@ class MllamaInputProcessor:
         salt = check_cache_salt(prompt.get("cache_salt"))  # before any image is processed
         images = self._images_of(prompt)
         if "prompt_token_ids" in prompt:
-            ids = [int(t) for t in prompt["prompt_token_ids"]]
+            ids = list(map(int, prompt["prompt_token_ids"]))
             return self.build(ids, images, prompt.get("prompt"), salt)
         if "prompt" in prompt:
             return self.build(self.tokenize(prompt["prompt"]), images, prompt["prompt"], salt)
@@ -376,7 +377,7 @@ class MllamaInputProcessor:
         if enc_text.replace(image_tok, "").strip():
             raise ValueError("encoder_prompt may only contain image tokens for this model")
         if isinstance(dec, dict) and "prompt_token_ids" in dec:
-            ids = [int(t) for t in dec["prompt_token_ids"]]
+            ids = list(map(int, dec["prompt_token_ids"]))
             if images and count_image_tokens(ids, self.spec.image_token_id) == 0:
                 ids = [self.spec.image_token_id] * len(images) + ids
             return self.build(ids, images, cache_salt=salt)
