@@ -156,9 +156,19 @@ def test_silu_epilogue_equals_gemm_then_silu_and_mul(m: int, cfg: Fp8Config) -> 
     ``silu_and_mul``; close to the torch reference."""
     layer, q, s = fp8_layer([80, 80], 256, seed=m + 3)
     fw = layer.fmt.fp8_weight(layer, max_rows=32)
-    x = torch.randn(m, 256).to(DEVICE, torch.bfloat16)
+    g = torch.Generator().manual_seed(m)
+    x = torch.randn(m, 256, generator=g).to(DEVICE, torch.bfloat16)
     y = fp8_gemm.fp8_gemm_silu(x, fw, cfg)
-    assert y.shape == (m, 80) and torch.equal(y, silu_and_mul(fp8_gemm.fp8_gemm(x, fw, cfg)))
+    separate = silu_and_mul(fp8_gemm.fp8_gemm(x, fw, cfg))
+    assert y.shape == (m, 80)
+    if DEVICE == "cuda":
+        assert torch.equal(y, separate)
+    else:
+        # Triton's interpreter runs tl.dot as a float32 NumPy matmul, whose summation order
+        # depends on a column's place in the matrix; the GEMM alone puts up's columns in other
+        # tiles than the fused kernel does, so a sum that cancels to a small value can round a
+        # step or two apart (seen at 1 of 40 random inputs, on an AVX2 CPU).
+        torch.testing.assert_close(y, separate, rtol=2**-6, atol=2**-14)
     exact = (x.float() @ q.float().T) * s  # the kernel's math in float32
     expected = F.silu(exact[:, :80]) * exact[:, 80:]
     torch.testing.assert_close(y.float(), expected, rtol=2**-5, atol=2**-7)
