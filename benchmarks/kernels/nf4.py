@@ -78,21 +78,25 @@ SWEEP_MAX_ROWS = 256  # larger row counts are prefill: the scratch path and cuBL
 
 
 def sweep(m: int, k: int, blocksize: int = 64) -> list[Nf4Config]:
-    """The candidate configs for ``m`` rows (those whose loop divides K): CUDA-core tiles up to
-    ``nf4_gemm.MAX_ROWS`` rows, the tensor-core table kernel at every decode size; none for
-    prefill sizes."""
+    """The candidate configs for ``m`` rows (those whose loop divides K): the CUDA-core pair
+    kernel up to 4 rows, the tensor-core table kernel at every decode size (a narrower grid
+    where the pair kernel runs too); none for prefill sizes."""
     if m > SWEEP_MAX_ROWS:
         return []
     cands = []
-    if m <= nf4_gemm.MAX_ROWS:
+    if m <= 4:
         bm = 1 << (m - 1).bit_length()
-        grid = itertools.product([32, 64] if m <= 2 else [16, 32], [1, 2, 4], [1, 2, 4, 8])
-        cands += [Nf4Config(bm, bn, it, sp) for bn, it, sp in grid]
-        cands += [Nf4Config(bm, 32, 2, sp, num_warps=2) for sp in (2, 4, 8)]
+        grid = itertools.product([(128, 4), (256, 4), (256, 8), (512, 8)], [1, 2], [1, 2, 4, 8, 16])
+        cands += [Nf4Config(bm, bn, it, sp, num_warps=w, pairs=True) for (bn, w), it, sp in grid]
     bm = 16 if m <= 16 else (32 if m <= 32 else 64)
+    table_grid = itertools.product(
+        [64] if m <= 4 else [32, 64, 128],
+        [1, 2] if m <= 4 else [1, 2, 4],
+        [2, 4, 8] if m <= 4 else [1, 2, 4, 8],
+    )
     cands += [
         Nf4Config(bm, bn, it, sp, num_warps=8 if bn == 128 else 4, table=True)
-        for bn, it, sp in itertools.product([32, 64, 128], [1, 2, 4], [1, 2, 4, 8])
+        for bn, it, sp in table_grid
         if bm * bn <= 4096
     ]
     return [c for c in cands if c.fits(k, blocksize)]
@@ -219,6 +223,11 @@ def bench_row(x: torch.Tensor, c: Copies, silu: bool, do_sweep: bool, bw: dict) 
                 continue
         us, best = min(timed, key=lambda t: t[0])
         row["nf4_best"] = {**entry(us), "config": str(best), "swept": len(timed)}
+        for kind in ("pairs", "table"):  # each kernel's own best, for the record
+            mine = [t for t in timed if getattr(t[1], kind)]
+            if mine:
+                kus, kcfg = min(mine, key=lambda t: t[0])
+                row[f"nf4_best_{kind}"] = {**entry(kus), "config": str(kcfg)}
         # The table keeps the faster of the GEMM's best and the scratch path.
         row["choice"] = vars(best) if us < row["scratch"]["us"] else "scratch"
         row["table_key"] = nf4_gemm.table_key(out_n, k, 64, silu)

@@ -7,11 +7,12 @@ issue rate bounds it, see ``fp8_gemm._E4M3X4_PTX``). Pointer arguments and strid
 compiled as 16-byte aligned, as Triton specializes them at run time.
 
     python -m benchmarks.kernels sass fp8 [--config 16,32,256,2] [--swap] [--silu] [--stages 3]
-    python -m benchmarks.kernels sass nf4 [--config 16,64,2,4] [--silu] [--stages 3]
+    python -m benchmarks.kernels sass nf4 [--config 16,64,2,4] [--pairs] [--silu] [--stages 3]
 
 fp8 ``--config``: block_m, block_n, block_k, split_k (``Fp8Config``); nf4: block_m, block_n,
-blocks_per_iter, split_k of the table kernel (``Nf4Config(table=True)``), blocksize 64,
-nested scales. The K is the 11B hidden size (4096).
+blocks_per_iter, split_k of the table kernel (``Nf4Config(table=True)``) or with ``--pairs``
+of the pair kernel (``Nf4Config(pairs=True)``), blocksize 64, nested scales. The K is the 11B
+hidden size (4096).
 """
 
 from __future__ import annotations
@@ -141,9 +142,11 @@ def nf4_loop(
     silu: bool = False,
     num_warps: int = 4,
     num_stages: int = 3,
+    pairs: bool = False,
 ) -> tuple[LoopMix, int]:
-    """The NF4 table kernel's K loop for bf16 activations (blocksize 64, nested scales, a
-    three-shard weight), and the weight values a thread looks up per iteration."""
+    """The NF4 table kernel's (or with ``pairs`` the pair kernel's) K loop for bf16
+    activations (blocksize 64, nested scales, a three-shard weight), and the weight values a
+    thread looks up per iteration."""
     from vllm.model_executor.layers import nf4_gemm
 
     types = {"x_ptr": "*bf16", "w_ptr": "*u8", "s_ptr": "*u8", "code_ptr": "*fp32"}
@@ -152,9 +155,14 @@ def nf4_loop(
     consts: dict[str, object] = dict(
         K=K, BLOCKSIZE=64, NESTED=True, NUM_SHARDS=3, BLOCK_M=block_m, BLOCK_N=block_n
     )
-    consts.update(BLOCKS_PER_ITER=blocks_per_iter, SPLIT_K=split_k, DOT_F32=False)
+    consts.update(BLOCKS_PER_ITER=blocks_per_iter, SPLIT_K=split_k)
     consts.update(EXACT_BF16=False, EXACT_MUL=True, SILU_MUL=silu, PTX=True)
-    sass = compile_sass(nf4_gemm._nf4_table_kernel, types, consts, num_warps, num_stages)
+    if pairs:
+        fn = nf4_gemm._nf4_pair_kernel
+    else:
+        fn = nf4_gemm._nf4_table_kernel
+        consts["DOT_F32"] = False
+    sass = compile_sass(fn, types, consts, num_warps, num_stages)
     values = block_n * blocks_per_iter * 64 * (2 if silu else 1) // (32 * num_warps)
     return k_loop(sass), values
 
@@ -164,6 +172,7 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> None:
     ap.add_argument("kernel", choices=("fp8", "nf4"))
     ap.add_argument("--config", default=None, help="four integers, comma-separated")
     ap.add_argument("--swap", action="store_true", help="fp8: the swapped kernel")
+    ap.add_argument("--pairs", action="store_true", help="nf4: the pair kernel")
     ap.add_argument("--silu", action="store_true", help="gate|up with the SiLU epilogue")
     ap.add_argument("--warps", type=int, default=4)
     ap.add_argument("--stages", type=int, default=3)
@@ -178,7 +187,7 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> None:
     if args.kernel == "fp8":
         mix, values = fp8_loop(a, b, c, d, args.swap, args.silu, args.warps, args.stages)
     else:
-        mix, values = nf4_loop(a, b, c, d, args.silu, args.warps, args.stages)
+        mix, values = nf4_loop(a, b, c, d, args.silu, args.warps, args.stages, args.pairs)
     if args.json:
         print(json.dumps({"instructions": mix.instructions, "values": values, **mix.opcodes}))
         return

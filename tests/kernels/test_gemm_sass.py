@@ -67,3 +67,16 @@ def test_k_loop_is_the_largest_backward_branch() -> None:
     assert mix.instructions == 3 and mix.opcodes == {"LOP3": 1, "HMMA": 1, "BRA": 1}
     with pytest.raises(ValueError, match="no loop"):
         sass.k_loop(text.replace("BRA 0x10", "BRA 0x60").replace("BRA 0x30", "BRA 0x60"))
+
+
+@pytest.mark.parametrize(
+    "args", [("--config", "1,256,1,4"), ("--config", "4,256,1,4", "--silu")], ids=["1", "4-silu"]
+)
+def test_nf4_pair_kernel_moves_nothing_between_threads(args) -> None:
+    """The NF4 pair kernel loads every operand in the layout it is used in (a thread's
+    weight row, its table, the matching x): its K loop has no shared-memory traffic, barrier
+    or spill, which in the table kernel's loop were a third of its instructions."""
+    mix = loop_mix("nf4", "--pairs", *args)
+    assert mix["values"] > 0 and mix.get("FFMA", 0) > 0 and mix.get("PRMT", 0) > 0
+    moves = ("BAR", "LDS", "STS", "LDSM", "STL", "LDL")
+    assert {op: mix[op] for op in moves if op in mix} == {}

@@ -57,7 +57,9 @@ def test_dequantized_tile_is_bitwise_dequantize_4bit(shards, k, qt, bs, nested, 
 
 
 @pytest.mark.parametrize(("shards", "k", "qt", "bs", "nested", "dtype"), CASES)
-@pytest.mark.parametrize("kernel", ["split", "whole", "table", "table-split"])
+@pytest.mark.parametrize(
+    "kernel", ["split", "whole", "table", "table-split", "pairs", "pairs-split"]
+)
 def test_gemm_tile_is_bitwise_dequantize_4bit(shards, k, qt, bs, nested, dtype, kernel) -> None:
     """The GEMM's own dequantized weights, seen through one-hot inputs (each output is then
     one exact product, 1 x w): ``dequantize_4bit``'s values bitwise, for every format and
@@ -68,12 +70,16 @@ def test_gemm_tile_is_bitwise_dequantize_4bit(shards, k, qt, bs, nested, dtype, 
     x = torch.zeros(len(cols), k, dtype=dtype)
     x[torch.arange(len(cols)), cols] = 1
     halved = (k // bs) % 2 == 0
+    if kernel.startswith(("table", "pairs")) and dtype == torch.float32:
+        pytest.skip("the table and pair kernels take 16-bit inputs")
     if kernel.startswith("table"):
-        if dtype == torch.float32:
-            pytest.skip("the table kernel takes 16-bit inputs")
         cfg = Nf4Config(16, 16, table=True)
         if kernel == "table-split" and halved:
             cfg = Nf4Config(16, 32, split_k=2, table=True)
+    elif kernel.startswith("pairs"):
+        cfg = Nf4Config(4, 256, pairs=True)  # weight rows past N clamped
+        if kernel == "pairs-split" and halved:
+            cfg = Nf4Config(2, 128, split_k=2, pairs=True)
     else:
         cfg = Nf4Config(4, 32, split_k=2) if kernel == "split" and halved else Nf4Config(8, 16)
     y = nf4_gemm.nf4_gemm(x.to(DEVICE), qw, cfg)
@@ -92,11 +98,19 @@ GEMM_CONFIGS = [
     # The tile shapes the H200 table runs (16 x 64 up to 16 rows, 64 x 64 above).
     Nf4Config(16, 64, blocks_per_iter=2, split_k=2, table=True),
     Nf4Config(64, 64, split_k=4, table=True),
+    # The CUDA-core pair kernel: ``PAIR_CASES`` (the interpreter pays per program and
+    # operation, so a few row counts on wide tiles).
+]
+PAIR_CASES = [
+    (1, Nf4Config(1, 256, pairs=True)),  # weight rows past N (176) clamped
+    (3, Nf4Config(2, 128, blocks_per_iter=2, split_k=2, pairs=True)),  # x rows past M clamped
+    (21, Nf4Config(4, 128, split_k=2, pairs=True)),
 ]
 
 
-@pytest.mark.parametrize("m", [1, 3, 16, 21])
-@pytest.mark.parametrize("cfg", GEMM_CONFIGS, ids=str)
+@pytest.mark.parametrize(
+    ("m", "cfg"), [(m, c) for m in (1, 3, 16, 21) for c in GEMM_CONFIGS] + PAIR_CASES, ids=str
+)
 def test_gemm_matches_dequantize_and_matmul(m: int, cfg: Nf4Config) -> None:
     """Rows below, at and above the row block; N (176) not a multiple of the column block;
     with and without a K split."""
@@ -114,11 +128,11 @@ def test_fp16_gemm_and_float32_out() -> None:
     layer, ref = bnb_layer([96], 384, "fp4", 128, False, torch.float16)
     qw = layer.fmt.quantized_weight(layer)
     x = torch.randn(5, 384).to(DEVICE, torch.float16)
-    cfg = Nf4Config(4, 32, num_stages=2)
-    out = torch.full((5, 96), float("nan"), device=DEVICE)
-    nf4_gemm.nf4_gemm(x, qw, cfg, out=out)
-    assert torch.equal(out, nf4_gemm.nf4_gemm(x, qw, cfg).float())
-    torch.testing.assert_close(out, x.float() @ ref.float().T, rtol=2**-9, atol=1e-3)
+    for cfg in (Nf4Config(4, 32, num_stages=2), Nf4Config(2, 128, pairs=True)):
+        out = torch.full((5, 96), float("nan"), device=DEVICE)
+        nf4_gemm.nf4_gemm(x, qw, cfg, out=out)
+        assert torch.equal(out, nf4_gemm.nf4_gemm(x, qw, cfg).float())
+        torch.testing.assert_close(out, x.float() @ ref.float().T, rtol=2**-9, atol=1e-3)
 
 
 @pytest.mark.parametrize(
@@ -129,6 +143,8 @@ def test_fp16_gemm_and_float32_out() -> None:
         (3, Nf4Config(4, 32, blocks_per_iter=2, split_k=2, num_stages=2)),
         (17, Nf4Config(16, 32, split_k=2, table=True)),
         (3, Nf4Config(16, 64, blocks_per_iter=2, split_k=2, table=True)),
+        (1, Nf4Config(1, 128, pairs=True)),
+        (3, Nf4Config(4, 128, blocks_per_iter=2, split_k=2, pairs=True)),
     ],
 )
 def test_silu_epilogue_equals_gemm_then_silu_and_mul(m: int, cfg: Nf4Config) -> None:
@@ -210,7 +226,7 @@ def test_graph_replay_equals_eager() -> None:
         assert torch.equal(static_y, eager)
 
 
-def test_table_kernel_refuses_what_it_cannot_run() -> None:
+def test_table_and_pair_kernels_refuse_what_they_cannot_run() -> None:
     layer, _ = bnb_layer([64], 256)
     qw = layer.fmt.quantized_weight(layer)
     with pytest.raises(ValueError, match="16-bit inputs"):
@@ -218,6 +234,14 @@ def test_table_kernel_refuses_what_it_cannot_run() -> None:
     with pytest.raises(ValueError, match="16 wide"):
         x = torch.randn(2, 256).to(DEVICE, torch.bfloat16)
         nf4_gemm.nf4_gemm(x, qw, Nf4Config(8, 16, table=True))
+    x = torch.randn(2, 256).to(DEVICE, torch.bfloat16)
+    with pytest.raises(ValueError, match="16-bit inputs"):
+        nf4_gemm.nf4_gemm(x.float(), qw, Nf4Config(1, 32, pairs=True))
+    with pytest.raises(ValueError, match="1, 2 or 4 rows"):
+        nf4_gemm.nf4_gemm(x, qw, Nf4Config(8, 32, pairs=True))
+    wide = torch.randn(2, 258).to(DEVICE, torch.bfloat16)
+    with pytest.raises(ValueError, match="32-bit pairs"):  # rows start 2 bytes off
+        nf4_gemm.nf4_gemm(wide[:, 1:257], qw, Nf4Config(1, 32, pairs=True))
 
 
 def test_heuristic_configs() -> None:

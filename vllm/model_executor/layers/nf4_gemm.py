@@ -19,7 +19,15 @@ cores instead: per scale block it computes the block's 16 possible values (the s
 and rounding) and packs them into eight 32-bit words of byte planes, which byte permutes
 (``prmt``) index with the packed nibbles directly, eight values per 22 integer instructions
 and no memory gathers (``_LUT_PTX``); the looked-up tile meets x in ``tl.dot``. It is what
-16-bit inputs run at every decode size unless the tuned table says otherwise. Row counts
+16-bit inputs run at every decode size unless the tuned table says otherwise.
+
+The pair kernel (``Nf4Config.pairs``, 16-bit activations, 1, 2 or 4 rows a tile) builds the
+same tables with two conversions and two permutes per four entries (``_TABLE_PTX_BF16``) and
+looks each 32-bit word of packed weight up as four 16-bit pairs (``_PAIR_PTX``), which meet
+the matching pairs of x on the CUDA cores. Each thread holds whole scale blocks of its weight
+rows, so every operand is loaded in the layout it is used in: no shared memory, no barrier,
+6.5 instructions a value at one row (``python -m benchmarks.kernels sass nf4 --pairs``)
+against the table kernel's 7.2 with a third of them moving data between threads. Row counts
 without a GEMM config (and any the tuned table gives to it) take the scratch path: the whole
 matrix dequantized, then a library GEMM.
 
@@ -449,6 +457,235 @@ def _nf4_table_kernel(x_ptr, w_ptr, s_ptr, code_ptr, n2_ptr, nc_ptr, sh_ptr, off
                   x_ptr.dtype.element_ty, SPLIT_K, SILU_MUL)
 
 
+# The pair kernel: CUDA-core GEMV on per-block tables, looked-up values as bf16 pairs.
+
+_PAIR_PTX = tl.constexpr("""{
+.reg .b32 s, q, a, b, l, h;
+and.b32 s, $4, 0x77777777;
+shr.b32 q, $4, 1;
+and.b32 q, q, 0x44444444;
+or.b32 q, q, 0x32103210;
+prmt.b32 a, $5, $6, s;
+prmt.b32 b, $7, $8, s;
+prmt.b32 l, a, b, q;
+prmt.b32 a, $9, $10, s;
+prmt.b32 b, $11, $12, s;
+prmt.b32 h, a, b, q;
+prmt.b32 $0, l, h, 0x4051;
+prmt.b32 $1, l, h, 0x6273;
+shr.b32 s, s, 16;
+shr.b32 q, q, 16;
+prmt.b32 a, $5, $6, s;
+prmt.b32 b, $7, $8, s;
+prmt.b32 l, a, b, q;
+prmt.b32 a, $9, $10, s;
+prmt.b32 b, $11, $12, s;
+prmt.b32 h, a, b, q;
+prmt.b32 $2, l, h, 0x4051;
+prmt.b32 $3, l, h, 0x6273;
+}""")
+_PAIR_CONSTRAINTS = tl.constexpr("=r,=r,=r,=r," + ",".join(["r"] * 9))
+
+
+# Four entries of a block's table from their float32 values: each rounded to the activation
+# dtype (two per conversion), then their low bytes into one word and their high bytes into
+# another (entry r in byte r), the layout ``_PAIR_PTX`` indexes.
+_TABLE_PTX_BF16 = tl.constexpr("""{
+.reg .b32 a, b;
+cvt.rn.bf16x2.f32 a, $3, $2;
+cvt.rn.bf16x2.f32 b, $5, $4;
+prmt.b32 $0, a, b, 0x6420;
+prmt.b32 $1, a, b, 0x7531;
+}""")
+_TABLE_PTX_F16 = tl.constexpr("""{
+.reg .b32 a, b;
+cvt.rn.f16x2.f32 a, $3, $2;
+cvt.rn.f16x2.f32 b, $5, $4;
+prmt.b32 $0, a, b, 0x6420;
+prmt.b32 $1, a, b, 0x7531;
+}""")
+
+
+@triton.jit
+def _table_words(code_ptr, scale, q: tl.constexpr, dt: tl.constexpr, EXACT_BF16: tl.constexpr,
+                 PTX: tl.constexpr):
+    # ``_table_word``: word q of the table (entries 4q .. 4q + 3), low and high bytes.
+    if PTX:
+        v0 = tl.load(code_ptr + 4 * q) * scale
+        v1 = tl.load(code_ptr + 4 * q + 1) * scale
+        v2 = tl.load(code_ptr + 4 * q + 2) * scale
+        v3 = tl.load(code_ptr + 4 * q + 3) * scale
+        asm: tl.constexpr = _TABLE_PTX_BF16 if dt == tl.bfloat16 else _TABLE_PTX_F16
+        lo, hi = tl.inline_asm_elementwise(asm, "=r,=r,f,f,f,f", [v0, v1, v2, v3],
+                                           dtype=(tl.uint32, tl.uint32), is_pure=True, pack=1)
+    else:
+        lo, hi = _table_word(code_ptr, scale, q, dt, EXACT_BF16)
+    return lo, hi
+
+
+@triton.jit
+def _table_bits(l0, l1, l2, l3, h0, h1, h2, h3, idx):
+    # The interpreter's form of one lookup: entry ``idx`` of the table, its 16 bits.
+    q = idx >> 2
+    sh = (idx & 3) * 8
+    lw = tl.where(q == 0, l0, tl.where(q == 1, l1, tl.where(q == 2, l2, l3)))
+    hw = tl.where(q == 0, h0, tl.where(q == 1, h1, tl.where(q == 2, h2, h3)))
+    return ((lw >> sh) & 0xFF) | (((hw >> sh) & 0xFF) << 8)
+
+
+@triton.jit
+def _pair(l0, l1, l2, l3, h0, h1, h2, h3, word, k: tl.constexpr):
+    # The interpreter's form of ``_PAIR_PTX``: elements 2k (the high nibble of byte k) and
+    # 2k + 1 (its low nibble) of a packed word, looked up: the first in the low half of the
+    # result, the second in the high half. Both lookups in one (the interpreter pays per call).
+    idx = tl.join((word >> (8 * k + 4)) & 15, (word >> (8 * k)) & 15)
+    even, odd = tl.split(_table_bits(l0[:, :, None], l1[:, :, None], l2[:, :, None],
+                                     l3[:, :, None], h0[:, :, None], h1[:, :, None],
+                                     h2[:, :, None], h3[:, :, None], idx))
+    return even | (odd << 16)
+
+
+@triton.jit
+def _pair_block(a0, a1, a2, a3, x_ptr, r0, r1, r2, r3, w_ptr, s_ptr, code_ptr, n2_ptr, nc_ptr,
+                wrows, start, base, offset, j,
+                K: tl.constexpr, BLOCKSIZE: tl.constexpr, NESTED: tl.constexpr,
+                BLOCK_M: tl.constexpr, EXACT_BF16: tl.constexpr, EXACT_MUL: tl.constexpr,
+                PTX: tl.constexpr):
+    # a_m ([BLOCK_N, 4] float32 sums, reduced after the K loop) += x[row m, block j] *
+    # W[wrows, block j] for each of the BLOCK_M rows (x's row offsets r0 .. r3). The block's
+    # table is built once per weight row; its packed words are read four at a time (16 bytes,
+    # one weight row a thread), each word looked up as four 16-bit pairs (``_PAIR_PTX``) that
+    # meet the matching pairs of x on the CUDA cores.
+    kb: tl.constexpr = K // BLOCKSIZE
+    dt = x_ptr.dtype.element_ty
+    wr = wrows.to(tl.int64)
+    if NESTED:
+        u = tl.load(s_ptr + wr * kb + j).to(tl.int32)
+        group = base.to(tl.int64) + ((wrows - start).to(tl.int64) * kb + j) // 256
+        scale = _mul_rn(tl.load(nc_ptr + u), tl.load(n2_ptr + group), EXACT_MUL) + offset
+    else:
+        scale = tl.load(s_ptr + wr * kb + j).to(tl.float32)
+    l0, h0 = _table_words(code_ptr, scale, 0, dt, EXACT_BF16, PTX)
+    l1, h1 = _table_words(code_ptr, scale, 1, dt, EXACT_BF16, PTX)
+    l2, h2 = _table_words(code_ptr, scale, 2, dt, EXACT_BF16, PTX)
+    l3, h3 = _table_words(code_ptr, scale, 3, dt, EXACT_BF16, PTX)
+    l0, l1, l2, l3 = l0[:, None], l1[:, None], l2[:, None], l3[:, None]
+    h0, h1, h2, h3 = h0[:, None], h1[:, None], h2[:, None], h3[:, None]
+    w32 = w_ptr.to(tl.pointer_type(tl.uint32)) + wr[:, None] * (K // 8)
+    four = tl.arange(0, 4)
+    for q in tl.static_range(BLOCKSIZE // 32):
+        w0 = j * (BLOCKSIZE // 8) + 4 * q  # the first of these four words, within the row
+        word = tl.load(w32 + (w0 + four)[None, :])
+        if PTX:
+            p0, p1, p2, p3 = tl.inline_asm_elementwise(
+                _PAIR_PTX, _PAIR_CONSTRAINTS, [word, l0, l1, l2, l3, h0, h1, h2, h3],
+                dtype=(tl.uint32, tl.uint32, tl.uint32, tl.uint32), is_pure=True, pack=1)
+        else:
+            p0 = _pair(l0, l1, l2, l3, h0, h1, h2, h3, word, 0)
+            p1 = _pair(l0, l1, l2, l3, h0, h1, h2, h3, word, 1)
+            p2 = _pair(l0, l1, l2, l3, h0, h1, h2, h3, word, 2)
+            p3 = _pair(l0, l1, l2, l3, h0, h1, h2, h3, word, 3)
+        a0 = _pair_row(a0, x_ptr, r0, w0, p0, p1, p2, p3)
+        if BLOCK_M > 1:
+            a1 = _pair_row(a1, x_ptr, r1, w0, p0, p1, p2, p3)
+        if BLOCK_M > 2:
+            a2 = _pair_row(a2, x_ptr, r2, w0, p0, p1, p2, p3)
+            a3 = _pair_row(a3, x_ptr, r3, w0, p0, p1, p2, p3)
+    return a0, a1, a2, a3
+
+
+@triton.jit
+def _pair_row(acc, x_ptr, row, w0, p0, p1, p2, p3):
+    # acc [BLOCK_N, 4] += x's row (its offset in 32-bit pairs) against four looked-up words
+    # from word w0 on: each pair of x meets the matching pair of the weight (16-bit x 16-bit:
+    # exact float32 products).
+    dt = x_ptr.dtype.element_ty
+    xw = x_ptr.to(tl.pointer_type(tl.uint32)) + row + 4 * (w0 + tl.arange(0, 4))[None, :]
+    acc = _pair_fma(acc, tl.load(xw), p0, dt)
+    acc = _pair_fma(acc, tl.load(xw + 1), p1, dt)
+    acc = _pair_fma(acc, tl.load(xw + 2), p2, dt)
+    acc = _pair_fma(acc, tl.load(xw + 3), p3, dt)
+    return acc
+
+
+@triton.jit
+def _pair_fma(acc, xp, wp, dt: tl.constexpr):
+    # acc += both products of a pair of x with a pair of the weight, the 16-bit halves widened
+    # to float32 exactly (bfloat16 by moving its bits).
+    if dt == tl.bfloat16:
+        acc += (xp << 16).to(tl.float32, bitcast=True) * (wp << 16).to(tl.float32, bitcast=True)
+        acc += (xp & 0xFFFF0000).to(tl.float32, bitcast=True) * (
+            (wp & 0xFFFF0000).to(tl.float32, bitcast=True))
+    else:
+        acc += (xp & 0xFFFF).to(tl.uint16).to(dt, bitcast=True).to(tl.float32) * (
+            (wp & 0xFFFF).to(tl.uint16).to(dt, bitcast=True).to(tl.float32))
+        acc += (xp >> 16).to(tl.uint16).to(dt, bitcast=True).to(tl.float32) * (
+            (wp >> 16).to(tl.uint16).to(dt, bitcast=True).to(tl.float32))
+    return acc
+
+
+@triton.jit
+def _pair_sums(a0, a1, a2, a3, BLOCK_M: tl.constexpr):
+    # The accumulators' row sums as one [BLOCK_M, BLOCK_N] tile.
+    y = tl.sum(a0, axis=1)[None, :]
+    if BLOCK_M > 1:
+        y = tl.join(y, tl.sum(a1, axis=1)[None, :])  # [1, BLOCK_N, 2]
+        y = tl.reshape(tl.trans(y, (0, 2, 1)), (2, y.shape[1]))
+    if BLOCK_M > 2:
+        z = tl.join(tl.sum(a2, axis=1)[None, :], tl.sum(a3, axis=1)[None, :])
+        z = tl.reshape(tl.trans(z, (0, 2, 1)), (2, z.shape[1]))
+        y = tl.reshape(tl.trans(tl.join(y, z), (2, 0, 1)), (4, y.shape[1]))
+    return y
+
+
+@triton.jit
+def _nf4_pair_kernel(x_ptr, w_ptr, s_ptr, code_ptr, n2_ptr, nc_ptr, sh_ptr, off_ptr, y_ptr, p_ptr,
+                     M, N, x_stride, y_stride,
+                     K: tl.constexpr, BLOCKSIZE: tl.constexpr, NESTED: tl.constexpr,
+                     NUM_SHARDS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                     BLOCKS_PER_ITER: tl.constexpr, SPLIT_K: tl.constexpr,
+                     EXACT_BF16: tl.constexpr, EXACT_MUL: tl.constexpr, SILU_MUL: tl.constexpr,
+                     PTX: tl.constexpr):
+    # The CUDA-core GEMM on table lookups (``_pair_lookup``) for 1, 2 or 4 rows: every
+    # operand is loaded in the layout it is used in, so nothing moves between threads in the
+    # K loop. Grid, K split and partial sums as ``_nf4_gemm_kernel``.
+    (pid_m, pid_n, pid_k, rows, cols, row_ok, col_ok, start, base, offset, start_u, base_u,
+     offset_u) = _program_tile(sh_ptr, off_ptr, M, N, NESTED, NUM_SHARDS, BLOCK_M, BLOCK_N,
+                               SILU_MUL)
+    dt = x_ptr.dtype.element_ty
+    # Rows past M read row M - 1 and weight rows past N the last one; their sums are dropped.
+    r0 = tl.minimum(pid_m * BLOCK_M, M - 1).to(tl.int64) * (x_stride // 2)
+    r1 = tl.minimum(pid_m * BLOCK_M + 1, M - 1).to(tl.int64) * (x_stride // 2)
+    r2 = tl.minimum(pid_m * BLOCK_M + 2, M - 1).to(tl.int64) * (x_stride // 2)
+    r3 = tl.minimum(pid_m * BLOCK_M + 3, M - 1).to(tl.int64) * (x_stride // 2)
+    wcols = tl.minimum(cols, N - 1)
+    a0 = tl.zeros((BLOCK_N, 4), dtype=tl.float32)
+    a1 = a0
+    a2 = a0
+    a3 = a0
+    u0 = a0
+    u1 = a0
+    u2 = a0
+    u3 = a0
+    per_split: tl.constexpr = K // BLOCKSIZE // SPLIT_K
+    j0 = pid_k * per_split
+    for jj in range(0, per_split, BLOCKS_PER_ITER):
+        for r in tl.static_range(BLOCKS_PER_ITER):
+            j = j0 + jj + r
+            a0, a1, a2, a3 = _pair_block(a0, a1, a2, a3, x_ptr, r0, r1, r2, r3, w_ptr, s_ptr,
+                                         code_ptr, n2_ptr, nc_ptr, wcols, start, base, offset,
+                                         j, K, BLOCKSIZE, NESTED, BLOCK_M, EXACT_BF16,
+                                         EXACT_MUL, PTX)
+            if SILU_MUL:
+                u0, u1, u2, u3 = _pair_block(u0, u1, u2, u3, x_ptr, r0, r1, r2, r3, w_ptr,
+                                             s_ptr, code_ptr, n2_ptr, nc_ptr, wcols + N,
+                                             start_u, base_u, offset_u, j, K, BLOCKSIZE,
+                                             NESTED, BLOCK_M, EXACT_BF16, EXACT_MUL, PTX)
+    _store_output(_pair_sums(a0, a1, a2, a3, BLOCK_M), _pair_sums(u0, u1, u2, u3, BLOCK_M),
+                  y_ptr, p_ptr, rows, cols, row_ok, col_ok, M, N, y_stride, pid_k, dt, SPLIT_K,
+                  SILU_MUL)
+
+
 @triton.jit
 def _split_reduce_kernel(p_ptr, y_ptr, M, N, y_stride, SPLIT_K: tl.constexpr,
                          SILU_MUL: tl.constexpr, BLOCK: tl.constexpr, DT: tl.constexpr):
@@ -497,6 +734,7 @@ class Nf4Config:
     num_warps: int = 4
     num_stages: int = 3
     table: bool = False  # the tensor-core kernel on per-block lookup tables (16-bit inputs)
+    pairs: bool = False  # the CUDA-core kernel on the same tables (16-bit inputs, 1-4 rows)
 
     def fits(self, k: int, blocksize: int) -> bool:
         """Whether K (in blocks of ``blocksize``) divides into this config's loop."""
@@ -505,7 +743,7 @@ class Nf4Config:
     def serves(self, m: int) -> bool:
         """Whether a launch of ``m`` rows may use this config: the CUDA-core kernel holds at
         most ``MAX_ROWS`` rows a tile, the table kernel any number."""
-        return self.table or self.block_m <= MAX_ROWS
+        return self.table or self.pairs or self.block_m <= MAX_ROWS
 
 
 MAX_ROWS = 8  # the GEMM's row tile holds BLOCK_M x BLOCK_N x blocksize / 2 float32 sums
@@ -680,6 +918,8 @@ def _launch(
     grid = (triton.cdiv(m, cfg.block_m), triton.cdiv(n, cfg.block_n), cfg.split_k)
     if cfg.table:
         _launch_table(x, qw, cfg, grid, y, partial, n, silu_mul)
+    elif cfg.pairs:
+        _launch_pairs(x, qw, cfg, grid, y, partial, n, silu_mul)
     else:
         _nf4_gemm_kernel[grid](
             x, *_pointers(qw), y, partial,
@@ -720,6 +960,33 @@ def _launch_table(
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCKS_PER_ITER=cfg.blocks_per_iter,
         SPLIT_K=cfg.split_k, DOT_F32=_INTERPRETED, EXACT_BF16=_INTERPRETED,
         EXACT_MUL=not _INTERPRETED, SILU_MUL=silu_mul, PTX=not _INTERPRETED,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )  # fmt: skip
+
+
+def _launch_pairs(
+    x: torch.Tensor,
+    qw: QuantizedWeight,
+    cfg: Nf4Config,
+    grid: tuple[int, int, int],
+    y: torch.Tensor,
+    partial: torch.Tensor,
+    n: int,
+    silu_mul: bool,
+) -> None:
+    if x.dtype not in (torch.bfloat16, torch.float16):
+        raise ValueError(f"{cfg}: the pair kernel takes 16-bit inputs, not {x.dtype}")
+    if cfg.block_m not in (1, 2, 4) or qw.blocksize % 32:
+        raise ValueError(f"{cfg}: the pair kernel runs 1, 2 or 4 rows a tile, blocks of 32k")
+    if x.stride(0) % 2 or x.data_ptr() % 4:
+        raise ValueError("the pair kernel reads x in 32-bit pairs: rows must start 4-aligned")
+    _nf4_pair_kernel[grid](
+        x, *_pointers(qw), y, partial,
+        x.shape[0], n, x.stride(0), y.stride(0),
+        K=qw.shape[1], BLOCKSIZE=qw.blocksize, NESTED=qw.nested, NUM_SHARDS=_num_shards(qw),
+        BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCKS_PER_ITER=cfg.blocks_per_iter,
+        SPLIT_K=cfg.split_k, EXACT_BF16=_INTERPRETED, EXACT_MUL=not _INTERPRETED,
+        SILU_MUL=silu_mul, PTX=not _INTERPRETED,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )  # fmt: skip
 
