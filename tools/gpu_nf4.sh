@@ -27,21 +27,18 @@ if [ "$WHAT" = kernels ] || [ "$WHAT" = all ]; then
 import json, sys
 rep = json.load(open(sys.argv[1]))
 print(f"copy {rep['copy_gb_s']:.0f} GB/s, read {rep['read_gb_s']:.0f} GB/s")
-print("shape      M   bf16 us  scratch us   pairs us (%read)   mma us (%read)   table us (%read)   bnb us   chosen")
+print("shape      M   bf16 us  scratch us   pairs us (%read)   table us (%read)   bnb us   chosen")
 nan = {"us": float("nan"), "pct_read": float("nan")}
 for r in rep["nf4"]:
     b = r.get("bnb_matmul_4bit", nan)["us"]
     p = r.get("nf4_best_pairs", nan)
     t = r.get("nf4_best_table", nan)
-    q = r.get("nf4_best_mma", nan)
     choice = r.get("choice", "-")
     choice = choice if isinstance(choice, str) else "/".join(
-        str(v) for k, v in choice.items() if k not in ("table", "pairs", "mma")) + (
-        " pairs" if choice.get("pairs") else " mma" if choice.get("mma") else
-        " table" if choice.get("table") else "")
+        str(v) for k, v in choice.items() if k not in ("table", "pairs")) + (
+        " pairs" if choice.get("pairs") else " table" if choice.get("table") else "")
     print(f"{r['shape']:8s} {r['m']:4d} {r['bf16']['us']:8.1f} {r['scratch']['us']:10.1f} "
-          f"{p['us']:9.1f} ({p['pct_read']:5.1f}) {q['us']:9.1f} ({q['pct_read']:5.1f}) "
-          f"{t['us']:9.1f} ({t['pct_read']:5.1f}) "
+          f"{p['us']:9.1f} ({p['pct_read']:5.1f}) {t['us']:9.1f} ({t['pct_read']:5.1f}) "
           f"{b:8.1f}   {choice}")
 PY
 fi

@@ -79,18 +79,15 @@ SWEEP_MAX_ROWS = 256  # larger row counts are prefill: the scratch path and cuBL
 
 def sweep(m: int, k: int, blocksize: int = 64) -> list[Nf4Config]:
     """The candidate configs for ``m`` rows (those whose loop divides K): the CUDA-core pair
-    kernel up to 4 rows, the mma kernel up to 16, the tensor-core table kernel at every
-    decode size (a narrower grid where the pair kernel runs too); none for prefill sizes."""
+    kernel up to 4 rows, the tensor-core table kernel at every decode size (a narrower grid
+    where the pair kernel runs too); none for prefill sizes."""
     if m > SWEEP_MAX_ROWS:
         return []
     cands = []
     if m <= 4:
         bm = 1 << (m - 1).bit_length()
-        grid = itertools.product([(256, 4), (512, 8)], [1, 2], [1, 2, 4, 8, 16])
+        grid = itertools.product([(128, 4), (256, 4), (256, 8), (512, 8)], [1, 2], [1, 2, 4, 8, 16])
         cands += [Nf4Config(bm, bn, it, sp, num_warps=w, pairs=True) for (bn, w), it, sp in grid]
-    if m <= 16:
-        grid = itertools.product([(64, 4), (128, 4), (128, 8), (256, 8)], [1, 2, 4, 8, 16])
-        cands += [Nf4Config(8, bn, 4, sp, num_warps=w, mma=True) for (bn, w), sp in grid]
     bm = 16 if m <= 16 else (32 if m <= 32 else 64)
     table_grid = itertools.product(
         [64] if m <= 4 else [32, 64, 128],
@@ -226,7 +223,7 @@ def bench_row(x: torch.Tensor, c: Copies, silu: bool, do_sweep: bool, bw: dict) 
                 continue
         us, best = min(timed, key=lambda t: t[0])
         row["nf4_best"] = {**entry(us), "config": str(best), "swept": len(timed)}
-        for kind in ("pairs", "mma", "table"):  # each kernel's own best, for the record
+        for kind in ("pairs", "table"):  # each kernel's own best, for the record
             mine = [t for t in timed if getattr(t[1], kind)]
             if mine:
                 kus, kcfg = min(mine, key=lambda t: t[0])

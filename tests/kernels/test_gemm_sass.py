@@ -80,23 +80,3 @@ def test_nf4_pair_kernel_moves_nothing_between_threads(args) -> None:
     assert mix["values"] > 0 and mix.get("FFMA", 0) > 0 and mix.get("PRMT", 0) > 0
     moves = ("BAR", "LDS", "STS", "LDSM", "STL", "LDL")
     assert {op: mix[op] for op in moves if op in mix} == {}
-
-
-@pytest.mark.parametrize(
-    "args", [("--config", "8,64,4,4"), ("--config", "8,256,4,2", "--warps", "8", "--silu")]
-)
-def test_nf4_mma_kernel_reads_its_fragments_in_the_lane_layout(args) -> None:
-    """The NF4 mma kernel's inline m16n8k16 takes each lane's registers as its fragments: it
-    is right only where every operand has one element a lane in 8 x 4 lanes a warp (row group
-    = lane / 4, column = lane % 4) and rows repeated across warps, which Triton gives tensors
-    no load of which is contiguous along the columns. Its K loop moves nothing between
-    threads either."""
-    mix = loop_mix("nf4", "--mma", *args)
-    warps = args[args.index("--warps") + 1] if "--warps" in args else "4"
-    assert mix["mma_layouts"] == [
-        "#ttg.blocked<{sizePerThread = [1, 1], threadsPerWarp = [8, 4], "
-        f"warpsPerCTA = [{warps}, 1], order = [1, 0]}}>"
-    ]
-    assert mix["values"] > 0 and mix.get("HMMA", 0) > 0 and mix.get("PRMT", 0) > 0
-    moves = ("BAR", "LDS", "STS", "LDSM", "STL", "LDL")
-    assert {op: mix[op] for op in moves if op in mix} == {}

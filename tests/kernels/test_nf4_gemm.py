@@ -58,7 +58,7 @@ def test_dequantized_tile_is_bitwise_dequantize_4bit(shards, k, qt, bs, nested, 
 
 @pytest.mark.parametrize(("shards", "k", "qt", "bs", "nested", "dtype"), CASES)
 @pytest.mark.parametrize(
-    "kernel", ["split", "whole", "table", "table-split", "pairs", "pairs-split", "mma", "mma-split"]
+    "kernel", ["split", "whole", "table", "table-split", "pairs", "pairs-split"]
 )
 def test_gemm_tile_is_bitwise_dequantize_4bit(shards, k, qt, bs, nested, dtype, kernel) -> None:
     """The GEMM's own dequantized weights, seen through one-hot inputs (each output is then
@@ -70,18 +70,12 @@ def test_gemm_tile_is_bitwise_dequantize_4bit(shards, k, qt, bs, nested, dtype, 
     x = torch.zeros(len(cols), k, dtype=dtype)
     x[torch.arange(len(cols)), cols] = 1
     halved = (k // bs) % 2 == 0
-    if kernel.startswith(("table", "pairs", "mma")) and dtype == torch.float32:
-        pytest.skip("the table, pair and mma kernels take 16-bit inputs")
+    if kernel.startswith(("table", "pairs")) and dtype == torch.float32:
+        pytest.skip("the table and pair kernels take 16-bit inputs")
     if kernel.startswith("table"):
         cfg = Nf4Config(16, 16, table=True)
         if kernel == "table-split" and halved:
             cfg = Nf4Config(16, 32, split_k=2, table=True)
-    elif kernel.startswith("mma"):
-        if (k // bs) % 4:
-            pytest.skip("the mma kernel runs four scale blocks an iteration")
-        cfg = Nf4Config(8, 64, 4, mma=True)  # weight rows past N clamped
-        if kernel == "mma-split" and (k // bs) % 8 == 0:
-            cfg = Nf4Config(8, 64, 4, split_k=2, mma=True)
     elif kernel.startswith("pairs"):
         cfg = Nf4Config(4, 256, pairs=True)  # weight rows past N clamped
         if kernel == "pairs-split" and halved:
@@ -111,9 +105,6 @@ PAIR_CASES = [
     (1, Nf4Config(1, 256, pairs=True)),  # weight rows past N (176) clamped
     (3, Nf4Config(2, 128, blocks_per_iter=2, split_k=2, pairs=True)),  # x rows past M clamped
     (21, Nf4Config(4, 128, split_k=2, pairs=True)),
-    # The tensor-core mma kernel: 8 rows a tile (x rows past M clamped), 4 blocks a step.
-    (3, Nf4Config(8, 64, 4, mma=True)),
-    (17, Nf4Config(8, 128, 4, split_k=1, num_warps=8, mma=True)),
 ]
 
 
@@ -134,14 +125,10 @@ def test_gemm_matches_dequantize_and_matmul(m: int, cfg: Nf4Config) -> None:
 
 def test_fp16_gemm_and_float32_out() -> None:
     """fp16 activations; an fp32 ``out`` gets the kernel's rounded result widened."""
-    for k, cfg in (
-        (384, Nf4Config(4, 32, num_stages=2)),
-        (384, Nf4Config(2, 128, pairs=True)),
-        (512, Nf4Config(8, 64, 4, mma=True)),  # four scale blocks
-    ):
-        layer, ref = bnb_layer([96], k, "fp4", 128, False, torch.float16)
-        qw = layer.fmt.quantized_weight(layer)
-        x = torch.randn(5, k).to(DEVICE, torch.float16)
+    layer, ref = bnb_layer([96], 384, "fp4", 128, False, torch.float16)
+    qw = layer.fmt.quantized_weight(layer)
+    x = torch.randn(5, 384).to(DEVICE, torch.float16)
+    for cfg in (Nf4Config(4, 32, num_stages=2), Nf4Config(2, 128, pairs=True)):
         out = torch.full((5, 96), float("nan"), device=DEVICE)
         nf4_gemm.nf4_gemm(x, qw, cfg, out=out)
         assert torch.equal(out, nf4_gemm.nf4_gemm(x, qw, cfg).float())
@@ -158,7 +145,6 @@ def test_fp16_gemm_and_float32_out() -> None:
         (3, Nf4Config(16, 64, blocks_per_iter=2, split_k=2, table=True)),
         (1, Nf4Config(1, 128, pairs=True)),
         (3, Nf4Config(4, 128, blocks_per_iter=2, split_k=2, pairs=True)),
-        (3, Nf4Config(8, 64, 4, mma=True)),
     ],
 )
 def test_silu_epilogue_equals_gemm_then_silu_and_mul(m: int, cfg: Nf4Config) -> None:
@@ -256,14 +242,6 @@ def test_table_and_pair_kernels_refuse_what_they_cannot_run() -> None:
     wide = torch.randn(2, 258).to(DEVICE, torch.bfloat16)
     with pytest.raises(ValueError, match="32-bit pairs"):  # rows start 2 bytes off
         nf4_gemm.nf4_gemm(wide[:, 1:257], qw, Nf4Config(1, 32, pairs=True))
-    with pytest.raises(ValueError, match="32-bit pairs"):
-        nf4_gemm.nf4_gemm(wide[:, 1:257], qw, Nf4Config(8, 64, 4, mma=True))
-    with pytest.raises(ValueError, match="16-bit inputs"):
-        nf4_gemm.nf4_gemm(x.float(), qw, Nf4Config(8, 64, 4, mma=True))
-    with pytest.raises(ValueError, match="16 weight rows a warp"):
-        nf4_gemm.nf4_gemm(x, qw, Nf4Config(8, 32, 4, mma=True))  # one row a lane
-    with pytest.raises(ValueError, match="8 rows and 4 blocks"):
-        nf4_gemm.nf4_gemm(x, qw, Nf4Config(8, 64, 2, mma=True))
 
 
 def test_heuristic_configs() -> None:

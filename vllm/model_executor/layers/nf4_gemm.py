@@ -686,178 +686,6 @@ def _nf4_pair_kernel(x_ptr, w_ptr, s_ptr, code_ptr, n2_ptr, nc_ptr, sh_ptr, off_
                   SILU_MUL)
 
 
-# m16n8k16 on the tensor cores with one lane's share of each fragment as its registers: the
-# looked-up weight pairs are the A fragment (rows: the lane's two weight rows, elements 0 and 1
-# of each pack of two), x's pairs the B fragment (column: x row g of lane group g = lane / 4),
-# the accumulators C and D (columns 2t and 2t + 1 of lane t: x rows 2t and 2t + 1). Lane t's
-# k slots hold the pairs of its own column, a scale block of its own, so the product sums
-# over the four columns' blocks; which physical k a slot holds matters only in that x's lane
-# holds the same one, which the common layout gives.
-_MMA_BF16_PTX = tl.constexpr(
-    "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 "
-    "{$0, $2, $1, $3}, {$4, $5, $6, $7}, {$8, $10}, {$12, $14, $13, $15};")
-_MMA_F16_PTX = tl.constexpr(
-    "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 "
-    "{$0, $2, $1, $3}, {$4, $5, $6, $7}, {$8, $10}, {$12, $14, $13, $15};")
-_MMA_CONSTRAINTS = tl.constexpr("=f,=f,=f,=f," + ",".join(["r"] * 8) + ",f,f,f,f")
-
-
-@triton.jit
-def _mma_pairs(c0, c1, pa, pb, xa, xb, dt: tl.constexpr):
-    # (c0, c1) += the lane's share of one m16n8k16 product: weight pairs pa (k slots 2t, 2t + 1)
-    # and pb (2t + 8, 2t + 9), x pairs xa and xb on the same slots.
-    asm: tl.constexpr = _MMA_BF16_PTX if dt == tl.bfloat16 else _MMA_F16_PTX
-    return tl.inline_asm_elementwise(asm, _MMA_CONSTRAINTS, [pa, pb, xa, xb, c0, c1],
-                                     dtype=(tl.float32, tl.float32), is_pure=True, pack=2)
-
-
-@triton.jit
-def _pair_products(p, xp, dt: tl.constexpr):
-    # The interpreter's form of the product: weight pairs p [BLOCK_N, 4] times x pairs xp
-    # [8, 4] (x rows, columns) -> [BLOCK_N, 4, 8], both halves summed (exact products).
-    if dt == tl.bfloat16:
-        wl = (p << 16).to(tl.float32, bitcast=True)
-        wh = (p & 0xFFFF0000).to(tl.float32, bitcast=True)
-        xl = (xp << 16).to(tl.float32, bitcast=True)
-        xh = (xp & 0xFFFF0000).to(tl.float32, bitcast=True)
-    else:
-        wl = (p & 0xFFFF).to(tl.uint16).to(dt, bitcast=True).to(tl.float32)
-        wh = (p >> 16).to(tl.uint16).to(dt, bitcast=True).to(tl.float32)
-        xl = (xp & 0xFFFF).to(tl.uint16).to(dt, bitcast=True).to(tl.float32)
-        xh = (xp >> 16).to(tl.uint16).to(dt, bitcast=True).to(tl.float32)
-    return (wl[:, :, None] * tl.trans(xl)[None, :, :]
-            + wh[:, :, None] * tl.trans(xh)[None, :, :])
-
-
-@triton.jit
-def _mma_columns(w32, scale, x32, j, code_ptr, c0, c1, dt: tl.constexpr,
-                 BLOCKSIZE: tl.constexpr, EXACT_BF16: tl.constexpr, PTX: tl.constexpr):
-    # (c0, c1) += the weight tile's blocks j ([1, 4], one per column) against x. w32: the
-    # rows' packed words [BLOCK_N, 1]; x32: x's pairs, [BLOCK_N, 1] (the lane group's x row)
-    # with PTX, else [8, 1] (x rows 0-7).
-    WORDS: tl.constexpr = BLOCKSIZE // 8
-    l0, h0 = _table_words(code_ptr, scale, 0, dt, EXACT_BF16, PTX)
-    l1, h1 = _table_words(code_ptr, scale, 1, dt, EXACT_BF16, PTX)
-    l2, h2 = _table_words(code_ptr, scale, 2, dt, EXACT_BF16, PTX)
-    l3, h3 = _table_words(code_ptr, scale, 3, dt, EXACT_BF16, PTX)
-    for w in tl.static_range(WORDS):
-        word = tl.load(w32 + j * WORDS + w)
-        xw = x32 + j * (BLOCKSIZE // 2) + 4 * w
-        if PTX:
-            p0, p1, p2, p3 = tl.inline_asm_elementwise(
-                _PAIR_PTX, _PAIR_CONSTRAINTS, [word, l0, l1, l2, l3, h0, h1, h2, h3],
-                dtype=(tl.uint32, tl.uint32, tl.uint32, tl.uint32), is_pure=True, pack=1)
-            c0, c1 = _mma_pairs(c0, c1, p0, p1, tl.load(xw), tl.load(xw + 1), dt)
-            c0, c1 = _mma_pairs(c0, c1, p2, p3, tl.load(xw + 2), tl.load(xw + 3), dt)
-        else:
-            s = _pair_products(_pair(l0, l1, l2, l3, h0, h1, h2, h3, word, 0), tl.load(xw), dt)
-            for k in tl.static_range(1, 4):
-                s += _pair_products(_pair(l0, l1, l2, l3, h0, h1, h2, h3, word, k),
-                                    tl.load(xw + k), dt)
-            # Summed over the columns' blocks, then x row 2t + c into column t of c_c.
-            e, o = tl.split(tl.reshape(tl.sum(s, axis=1), (s.shape[0], 4, 2)))
-            c0 += e
-            c1 += o
-    return c0, c1
-
-
-@triton.jit
-def _mma_scales(s_ptr, n2_ptr, nc_ptr, wr, start, base, offset, j,
-                K: tl.constexpr, BLOCKSIZE: tl.constexpr, NESTED: tl.constexpr,
-                EXACT_MUL: tl.constexpr):
-    # float32 scales of blocks j ([1, 4]) of weight rows wr ([BLOCK_N, 1], int64).
-    kb: tl.constexpr = K // BLOCKSIZE
-    if NESTED:
-        u = tl.load(s_ptr + wr * kb + j).to(tl.int32)
-        group = base.to(tl.int64)[:, None] + ((wr - start.to(tl.int64)[:, None]) * kb + j) // 256
-        scale = _mul_rn(tl.load(nc_ptr + u), tl.load(n2_ptr + group), EXACT_MUL) + offset[:, None]
-    else:
-        scale = tl.load(s_ptr + wr * kb + j).to(tl.float32)
-    return scale
-
-
-@triton.jit
-def _mma_store(c0, c1, u0, u1, y_ptr, p_ptr, m0, rows, M, N, y_stride, pid_k,
-               dt: tl.constexpr, SPLIT_K: tl.constexpr, SILU_MUL: tl.constexpr):
-    # c_c[r, t] is output row m0 + 2t + c, column r: the epilogue and the output, or with a K
-    # split the float32 partial sums ([SPLIT_K, M, N], twice N with SILU_MUL).
-    t2 = m0 + 2 * tl.arange(0, 4)[None, :]
-    ok = rows[:, None] < N
-    if SPLIT_K == 1:
-        ptrs = y_ptr + t2.to(tl.int64) * y_stride + rows[:, None]
-        tl.store(ptrs, _epilogue(c0, u0, dt, y_ptr.dtype.element_ty, SILU_MUL), mask=ok & (t2 < M))
-        tl.store(ptrs + y_stride, _epilogue(c1, u1, dt, y_ptr.dtype.element_ty, SILU_MUL),
-                 mask=ok & (t2 + 1 < M))
-    else:
-        width = 2 * N if SILU_MUL else N
-        ptrs = p_ptr + (pid_k * M + t2.to(tl.int64)) * width + rows[:, None]
-        tl.store(ptrs, c0, mask=ok & (t2 < M))
-        tl.store(ptrs + width, c1, mask=ok & (t2 + 1 < M))
-        if SILU_MUL:
-            tl.store(ptrs + N, u0, mask=ok & (t2 < M))
-            tl.store(ptrs + width + N, u1, mask=ok & (t2 + 1 < M))
-
-
-@triton.jit
-def _nf4_mma_kernel(x_ptr, w_ptr, s_ptr, code_ptr, n2_ptr, nc_ptr, sh_ptr, off_ptr, y_ptr, p_ptr,
-                    M, N, x_stride, y_stride,
-                    K: tl.constexpr, BLOCKSIZE: tl.constexpr, NESTED: tl.constexpr,
-                    NUM_SHARDS: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT_K: tl.constexpr,
-                    EXACT_BF16: tl.constexpr, EXACT_MUL: tl.constexpr, SILU_MUL: tl.constexpr,
-                    PTX: tl.constexpr):
-    # Eight rows of x a program (rows past M read row M - 1, their sums are dropped) against
-    # BLOCK_N weight rows (rows past N read the last one). The tile's four columns are scale
-    # blocks a quarter of the split apart, so that no load is contiguous across columns and
-    # every tensor keeps Triton's default layout of one element a lane, 8 x 4 lanes a warp:
-    # the layout ``_MMA_BF16_PTX`` reads its fragments in.
-    pid_m = tl.program_id(0)
-    pid_n = tl.program_id(1)
-    pid_k = tl.program_id(2)
-    dt = x_ptr.dtype.element_ty
-    rows = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    wrows = tl.minimum(rows, N - 1)
-    start = tl.zeros_like(wrows)
-    base = tl.zeros_like(wrows)
-    offset = tl.zeros((BLOCK_N,), dtype=tl.float32)
-    start_u = start
-    base_u = base
-    offset_u = offset
-    if NESTED:
-        start, base, offset = _shard_of(sh_ptr, off_ptr, wrows, NUM_SHARDS)
-        if SILU_MUL:
-            start_u, base_u, offset_u = _shard_of(sh_ptr, off_ptr, wrows + N, NUM_SHARDS)
-    wr = wrows.to(tl.int64)[:, None]
-    w32 = w_ptr.to(tl.pointer_type(tl.uint32)) + wr * (K // 8)
-    w32_u = w32 + N * (K // 8)
-    m0 = pid_m * 8
-    if PTX:  # each lane group's x row
-        xr = m0 + tl.arange(0, BLOCK_N) % 8
-    else:  # x rows 0-7 (the interpreter's product)
-        xr = m0 + tl.arange(0, 8)
-    x32 = x_ptr.to(tl.pointer_type(tl.uint32)) + (
-        tl.minimum(xr, M - 1).to(tl.int64) * (x_stride // 2))[:, None]
-    t = tl.arange(0, 4)[None, :]
-    c0 = tl.zeros((BLOCK_N, 4), dtype=tl.float32)
-    c1 = c0
-    u0 = c0
-    u1 = c0
-    per_split: tl.constexpr = K // BLOCKSIZE // SPLIT_K
-    quarter: tl.constexpr = per_split // 4
-    for jj in range(0, quarter):
-        j = pid_k * per_split + t * quarter + jj
-        scale = _mma_scales(s_ptr, n2_ptr, nc_ptr, wr, start, base, offset, j, K, BLOCKSIZE,
-                            NESTED, EXACT_MUL)
-        c0, c1 = _mma_columns(w32, scale, x32, j, code_ptr, c0, c1, dt, BLOCKSIZE,
-                              EXACT_BF16, PTX)
-        if SILU_MUL:
-            scale = _mma_scales(s_ptr, n2_ptr, nc_ptr, wr + N, start_u, base_u, offset_u, j, K,
-                                BLOCKSIZE, NESTED, EXACT_MUL)
-            u0, u1 = _mma_columns(w32_u, scale, x32, j, code_ptr, u0, u1, dt, BLOCKSIZE,
-                                  EXACT_BF16, PTX)
-    _mma_store(c0, c1, u0, u1, y_ptr, p_ptr, m0, rows, M, N, y_stride, pid_k, dt, SPLIT_K,
-               SILU_MUL)
-
-
 @triton.jit
 def _split_reduce_kernel(p_ptr, y_ptr, M, N, y_stride, SPLIT_K: tl.constexpr,
                          SILU_MUL: tl.constexpr, BLOCK: tl.constexpr, DT: tl.constexpr):
@@ -907,9 +735,6 @@ class Nf4Config:
     num_stages: int = 3
     table: bool = False  # the tensor-core kernel on per-block lookup tables (16-bit inputs)
     pairs: bool = False  # the CUDA-core kernel on the same tables (16-bit inputs, 1-4 rows)
-    # The same lookups into m16n8k16 tensor-core products from registers (16-bit inputs, 8
-    # rows a tile, 4 scale blocks an iteration: block_m 8, blocks_per_iter 4).
-    mma: bool = False
 
     def fits(self, k: int, blocksize: int) -> bool:
         """Whether K (in blocks of ``blocksize``) divides into this config's loop."""
@@ -918,7 +743,7 @@ class Nf4Config:
     def serves(self, m: int) -> bool:
         """Whether a launch of ``m`` rows may use this config: the CUDA-core kernel holds at
         most ``MAX_ROWS`` rows a tile, the table kernel any number."""
-        return self.table or self.pairs or self.mma or self.block_m <= MAX_ROWS
+        return self.table or self.pairs or self.block_m <= MAX_ROWS
 
 
 MAX_ROWS = 8  # the GEMM's row tile holds BLOCK_M x BLOCK_N x blocksize / 2 float32 sums
@@ -1095,8 +920,6 @@ def _launch(
         _launch_table(x, qw, cfg, grid, y, partial, n, silu_mul)
     elif cfg.pairs:
         _launch_pairs(x, qw, cfg, grid, y, partial, n, silu_mul)
-    elif cfg.mma:
-        _launch_mma(x, qw, cfg, grid, y, partial, n, silu_mul)
     else:
         _nf4_gemm_kernel[grid](
             x, *_pointers(qw), y, partial,
@@ -1164,35 +987,6 @@ def _launch_pairs(
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCKS_PER_ITER=cfg.blocks_per_iter,
         SPLIT_K=cfg.split_k, EXACT_BF16=_INTERPRETED, EXACT_MUL=not _INTERPRETED,
         SILU_MUL=silu_mul, PTX=not _INTERPRETED,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-    )  # fmt: skip
-
-
-def _launch_mma(
-    x: torch.Tensor,
-    qw: QuantizedWeight,
-    cfg: Nf4Config,
-    grid: tuple[int, int, int],
-    y: torch.Tensor,
-    partial: torch.Tensor,
-    n: int,
-    silu_mul: bool,
-) -> None:
-    if x.dtype not in (torch.bfloat16, torch.float16):
-        raise ValueError(f"{cfg}: the mma kernel takes 16-bit inputs, not {x.dtype}")
-    if cfg.block_m != 8 or cfg.blocks_per_iter != 4 or cfg.block_n % (16 * cfg.num_warps):
-        raise ValueError(
-            f"{cfg}: the mma kernel runs 8 rows and 4 blocks an iteration on tiles of 16 weight "
-            "rows a warp or a multiple"
-        )
-    if x.stride(0) % 2 or x.data_ptr() % 4:
-        raise ValueError("the mma kernel reads x in 32-bit pairs: rows must start 4-aligned")
-    _nf4_mma_kernel[grid](
-        x, *_pointers(qw), y, partial,
-        x.shape[0], n, x.stride(0), y.stride(0),
-        K=qw.shape[1], BLOCKSIZE=qw.blocksize, NESTED=qw.nested, NUM_SHARDS=_num_shards(qw),
-        BLOCK_N=cfg.block_n, SPLIT_K=cfg.split_k, EXACT_BF16=_INTERPRETED,
-        EXACT_MUL=not _INTERPRETED, SILU_MUL=silu_mul, PTX=not _INTERPRETED,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )  # fmt: skip
 
