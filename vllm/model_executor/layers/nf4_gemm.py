@@ -753,17 +753,26 @@ def heuristic_config(
     m: int, n: int, k: int, blocksize: int = 64, dtype: torch.dtype = torch.bfloat16
 ) -> Nf4Config | None:
     """The launch shape for ``m`` rows without a tuned entry, or None: dequantize into the
-    scratch matrix and run the library GEMM. 16-bit inputs take the table kernel at every
-    decode size, as the H200 sweep of the 11B shapes chose it (``benchmarks/RESULTS.md``):
-    16-row tiles of two scale blocks a step up to 16 rows, 64-row tiles of one above, 64
-    weight rows a tile, K split in eight where the column tiles are few (64 and under),
-    else in four. float32 inputs take the CUDA-core kernel up to 4 rows."""
+    scratch matrix and run the library GEMM. 16-bit inputs: one row takes the pair kernel
+    (512 weight rows a program, 8 warps, K split until there are 128 programs, up to 16),
+    as the H100 sweep of the 11B shapes chose it at one row; more rows the table kernel, as
+    the H200 and H100 sweeps chose it (``benchmarks/RESULTS.md``): 16-row tiles of two scale
+    blocks a step up to 16 rows, 64-row tiles of one above, 64 weight rows a tile, K split in
+    eight where the column tiles are few (64 and under), else in four. float32 inputs take
+    the CUDA-core kernel up to 4 rows."""
     blocks = k // blocksize
     if dtype in (torch.bfloat16, torch.float16):
-        small = m <= 16
-        split = 8 if -(-n // 64) <= 64 else 4
-        per_iter = 2 if small and blocksize <= 64 else 1
-        cfg = Nf4Config(16 if small else 64, 64, per_iter, split, table=True)
+        if m == 1:
+            tiles = -(-n // 512)
+            split = 1
+            while tiles * split < 128 and split < 16:
+                split *= 2
+            cfg = Nf4Config(1, 512, 1, split, num_warps=8, pairs=True)
+        else:
+            small = m <= 16
+            split = 8 if -(-n // 64) <= 64 else 4
+            per_iter = 2 if small and blocksize <= 64 else 1
+            cfg = Nf4Config(16 if small else 64, 64, per_iter, split, table=True)
         while not cfg.fits(k, blocksize) and cfg.split_k > 1:
             cfg = replace(cfg, split_k=cfg.split_k // 2)
         if not cfg.fits(k, blocksize):

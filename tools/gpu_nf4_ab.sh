@@ -1,0 +1,55 @@
+#!/usr/bin/env bash
+# NF4 decode at one row: the pair kernel against the table kernel, one GPU, 11B shape with
+# dummy weights. The 4-bit kernel tests on CUDA, the one-row GEMM sweep (writes this GPU's
+# tuned entries), then the engine's decode steps twice on the same machine: "pairs" with the
+# tuned table as the sweep left it, "table" with each shape's one-row entry replaced by its
+# four-row one (the table kernel), then bf16.
+# Usage (repository root, offline GPU machine): bash tools/gpu_nf4_ab.sh
+# bitsandbytes itself: a directory holding the package on EXTRA_PYTHONPATH (its CUDA 13 library).
+set -uo pipefail
+source tools/gpu_env.sh || exit 1
+T0=$SECONDS
+stamp() { echo "[$((SECONDS - T0)) s] $*"; }
+TABLE=$(python3 -c "import torch; from vllm.model_executor.layers import nf4_gemm
+print(nf4_gemm.tuned_table_path(torch.cuda.get_device_name()))")
+stamp "4-bit GEMM tests on CUDA"
+python3 -m pytest -q -p no:cacheprovider tests/kernels/test_nf4_gemm.py >"$OUT/nf4_tests.log" 2>&1
+tail -1 "$OUT/nf4_tests.log"
+stamp "one-row sweep"
+timeout "${SWEEP_S:-200}" python3 -m benchmarks.kernels nf4 --sweep --table --silu --jobs 14 \
+  --rows 1 --json "$OUT/nf4_rows1.json" >"$OUT/nf4_sweep.log" 2>&1
+tail -1 "$OUT/nf4_sweep.log"
+cp "$TABLE" "$OUT/"
+python3 - "$OUT/nf4_rows1.json" <<'PY'
+import json, sys
+rep = json.load(open(sys.argv[1]))
+print(f"read {rep['read_gb_s']:.0f} GB/s; us (% read) at one row")
+print("shape     bf16          pairs          table          bnb")
+nan = {"us": float("nan"), "pct_read": float("nan")}
+for r in rep["nf4"]:
+    cells = [r["bf16"], r.get("nf4_best_pairs", nan), r.get("nf4_best_table", nan),
+             r.get("bnb_matmul_4bit", nan)]
+    print(f"{r['shape']:8s} " + "  ".join(f"{c['us']:6.1f} ({c['pct_read']:4.1f})" for c in cells))
+PY
+engine() {  # engine TAG FORMATS
+  timeout "${ENGINE_S:-120}" python3 -m benchmarks.engine quant --steps 30 --formats "$2" \
+    --batches "${BATCHES:-1,4}" --out "$OUT/quant_$1.json" >"$OUT/quant_$1.log" 2>&1
+  grep -E "^(bitsandbytes|bf16) +(text|image) +bs=" "$OUT/quant_$1.log" | sed "s/^/$1: /"
+}
+stamp "engine, pairs at one row"
+engine pairs bitsandbytes
+cp "$TABLE" /tmp/tuned_pairs.json
+python3 - "$TABLE" <<'PY'
+import json, sys
+d = json.load(open(sys.argv[1]))
+for rows in d["configs"].values():
+    if "1" in rows and "4" in rows:
+        rows["1"] = rows["4"]
+json.dump(d, open(sys.argv[1], "w"), indent=1)
+PY
+stamp "engine, table kernel at one row"
+engine table bitsandbytes
+cp /tmp/tuned_pairs.json "$TABLE"
+stamp "engine, bf16"
+engine bf16 bf16
+stamp done
