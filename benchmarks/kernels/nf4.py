@@ -86,8 +86,16 @@ def sweep(m: int, k: int, blocksize: int = 64) -> list[Nf4Config]:
     cands = []
     if m <= 4:
         bm = 1 << (m - 1).bit_length()
-        grid = itertools.product([(128, 4), (256, 4), (256, 8), (512, 8)], [1, 2], [1, 2, 4, 8, 16])
-        cands += [Nf4Config(bm, bn, it, sp, num_warps=w, pairs=True) for (bn, w), it, sp in grid]
+        grid = itertools.product(
+            [(256, 4), (512, 8)],
+            [1, 2],
+            [1, 2, 4, 8, 16],
+            [False, True] if blocksize == 64 else [False],
+        )
+        cands += [
+            Nf4Config(bm, bn, it, sp, num_warps=w, pairs=True, prefetch=pf)
+            for (bn, w), it, sp, pf in grid
+        ]
     bm = 16 if m <= 16 else (32 if m <= 32 else 64)
     table_grid = itertools.product(
         [64] if m <= 4 else [32, 64, 128],
@@ -223,8 +231,13 @@ def bench_row(x: torch.Tensor, c: Copies, silu: bool, do_sweep: bool, bw: dict) 
                 continue
         us, best = min(timed, key=lambda t: t[0])
         row["nf4_best"] = {**entry(us), "config": str(best), "swept": len(timed)}
-        for kind in ("pairs", "table"):  # each kernel's own best, for the record
-            mine = [t for t in timed if getattr(t[1], kind)]
+        kinds = {  # each kernel's own best, for the record
+            "pairs": lambda c: c.pairs and not c.prefetch,
+            "prefetch": lambda c: c.pairs and c.prefetch,
+            "table": lambda c: c.table,
+        }
+        for kind, of_kind in kinds.items():
+            mine = [t for t in timed if of_kind(t[1])]
             if mine:
                 kus, kcfg = min(mine, key=lambda t: t[0])
                 row[f"nf4_best_{kind}"] = {**entry(kus), "config": str(kcfg)}

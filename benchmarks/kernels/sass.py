@@ -143,6 +143,7 @@ def nf4_loop(
     num_warps: int = 4,
     num_stages: int = 3,
     pairs: bool = False,
+    prefetch: bool = False,
 ) -> tuple[LoopMix, int]:
     """The NF4 table kernel's (or with ``pairs`` the pair kernel's) K loop for bf16
     activations (blocksize 64, nested scales, a three-shard weight), and the weight values a
@@ -159,6 +160,7 @@ def nf4_loop(
     consts.update(EXACT_BF16=False, EXACT_MUL=True, SILU_MUL=silu, PTX=True)
     if pairs:
         fn = nf4_gemm._nf4_pair_kernel
+        consts["PREFETCH"] = prefetch
     else:
         fn = nf4_gemm._nf4_table_kernel
         consts["DOT_F32"] = False
@@ -173,6 +175,7 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> None:
     ap.add_argument("--config", default=None, help="four integers, comma-separated")
     ap.add_argument("--swap", action="store_true", help="fp8: the swapped kernel")
     ap.add_argument("--pairs", action="store_true", help="nf4: the pair kernel")
+    ap.add_argument("--prefetch", action="store_true", help="nf4 --pairs: prefetching")
     ap.add_argument("--silu", action="store_true", help="gate|up with the SiLU epilogue")
     ap.add_argument("--warps", type=int, default=4)
     ap.add_argument("--stages", type=int, default=3)
@@ -187,7 +190,9 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> None:
     if args.kernel == "fp8":
         mix, values = fp8_loop(a, b, c, d, args.swap, args.silu, args.warps, args.stages)
     else:
-        mix, values = nf4_loop(a, b, c, d, args.silu, args.warps, args.stages, args.pairs)
+        mix, values = nf4_loop(
+            a, b, c, d, args.silu, args.warps, args.stages, args.pairs, args.prefetch
+        )
     if args.json:
         print(json.dumps({"instructions": mix.instructions, "values": values, **mix.opcodes}))
         return

@@ -105,6 +105,7 @@ PAIR_CASES = [
     (1, Nf4Config(1, 256, pairs=True)),  # weight rows past N (176) clamped
     (3, Nf4Config(2, 128, blocks_per_iter=2, split_k=2, pairs=True)),  # x rows past M clamped
     (21, Nf4Config(4, 128, split_k=2, pairs=True)),
+    (2, Nf4Config(2, 128, split_k=2, pairs=True, prefetch=True)),  # the next block read ahead
 ]
 
 
@@ -145,6 +146,7 @@ def test_fp16_gemm_and_float32_out() -> None:
         (3, Nf4Config(16, 64, blocks_per_iter=2, split_k=2, table=True)),
         (1, Nf4Config(1, 128, pairs=True)),
         (3, Nf4Config(4, 128, blocks_per_iter=2, split_k=2, pairs=True)),
+        (1, Nf4Config(1, 128, pairs=True, prefetch=True)),
     ],
 )
 def test_silu_epilogue_equals_gemm_then_silu_and_mul(m: int, cfg: Nf4Config) -> None:
@@ -178,10 +180,10 @@ BUCKETS = (1, 4, 24)
 def test_kernel_tables_and_their_results() -> None:
     """16-bit layers run the 4-bit GEMM (untuned shapes: the pair kernel at one row, the table
     kernel above) at every decode bucket, and any other row count dequantizes into the shared
-    scratch and runs F.linear (bitwise the torch path); biased layers (the vision tower's, the projector: they see
-    prefill-sized inputs only) take the scratch path everywhere; float32 layers the CUDA-core
-    GEMM up to 4 rows; torch targets the torch path. gate|up gets the SiLU epilogue where the
-    GEMM runs."""
+    scratch and runs F.linear (bitwise the torch path); biased layers (the vision tower's, the
+    projector: they see prefill-sized inputs only) take the scratch path everywhere; float32
+    layers the CUDA-core GEMM up to 4 rows; torch targets the torch path. gate|up gets the
+    SiLU epilogue where the GEMM runs."""
     layer, _ = bnb_layer([80, 80], 256)
     fused = KernelTarget(torch.device(DEVICE), fused=True, row_buckets=BUCKETS)
     layer.select_kernels(fused)

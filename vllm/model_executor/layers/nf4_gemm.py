@@ -546,36 +546,64 @@ def _pair(l0, l1, l2, l3, h0, h1, h2, h3, word, k: tl.constexpr):
 
 
 @triton.jit
-def _pair_block(a0, a1, a2, a3, x_ptr, r0, r1, r2, r3, w_ptr, s_ptr, code_ptr, n2_ptr, nc_ptr,
-                wrows, start, base, offset, j,
-                K: tl.constexpr, BLOCKSIZE: tl.constexpr, NESTED: tl.constexpr,
-                BLOCK_M: tl.constexpr, EXACT_BF16: tl.constexpr, EXACT_MUL: tl.constexpr,
-                PTX: tl.constexpr):
-    # a_m ([BLOCK_N, 4] float32 sums, reduced after the K loop) += x[row m, block j] *
-    # W[wrows, block j] for each of the BLOCK_M rows (x's row offsets r0 .. r3). The block's
-    # table is built once per weight row; its packed words are read four at a time (16 bytes,
-    # one weight row a thread), each word looked up as four 16-bit pairs (``_PAIR_PTX``) that
-    # meet the matching pairs of x on the CUDA cores.
+def _pair_fetch(w_ptr, s_ptr, n2_ptr, nc_ptr, wrows, start, base, j,
+                K: tl.constexpr, BLOCKSIZE: tl.constexpr, NESTED: tl.constexpr):
+    # The memory reads of block j of weight rows ``wrows``: its code (nested: the dynamic
+    # table's value for the row's index) and second-level scale ([BLOCK_N] float32 each; the
+    # scale and 1 without nesting) and, for blocks of 64, its eight packed words as two
+    # [BLOCK_N, 4] loads (larger blocks read theirs in ``_pair_block``).
     kb: tl.constexpr = K // BLOCKSIZE
-    dt = x_ptr.dtype.element_ty
     wr = wrows.to(tl.int64)
     if NESTED:
         u = tl.load(s_ptr + wr * kb + j).to(tl.int32)
         group = base.to(tl.int64) + ((wrows - start).to(tl.int64) * kb + j) // 256
-        scale = _mul_rn(tl.load(nc_ptr + u), tl.load(n2_ptr + group), EXACT_MUL) + offset
+        code = tl.load(nc_ptr + u)
+        second = tl.load(n2_ptr + group)
     else:
-        scale = tl.load(s_ptr + wr * kb + j).to(tl.float32)
+        code = tl.load(s_ptr + wr * kb + j).to(tl.float32)
+        second = tl.full(code.shape, 1.0, tl.float32)
+    w32 = w_ptr.to(tl.pointer_type(tl.uint32)) + wr[:, None] * (K // 8)
+    words = j * (BLOCKSIZE // 8) + tl.arange(0, 4)[None, :]
+    if BLOCKSIZE == 64:
+        wa = tl.load(w32 + words)
+        wb = tl.load(w32 + words + 4)
+    else:
+        wa = tl.zeros((wrows.shape[0], 4), dtype=tl.uint32)
+        wb = wa
+    return code, second, wa, wb
+
+
+@triton.jit
+def _pair_block(a0, a1, a2, a3, x_ptr, r0, r1, r2, r3, w_ptr, code_ptr, wrows, offset, j,
+                code, second, wa, wb,
+                K: tl.constexpr, BLOCKSIZE: tl.constexpr, NESTED: tl.constexpr,
+                BLOCK_M: tl.constexpr, EXACT_BF16: tl.constexpr, EXACT_MUL: tl.constexpr,
+                PTX: tl.constexpr):
+    # a_m ([BLOCK_N, 4] float32 sums, reduced after the K loop) += x[row m, block j] *
+    # W[wrows, block j] for each of the BLOCK_M rows (x's row offsets r0 .. r3), from the
+    # block's reads (``_pair_fetch``). The block's table is built once per weight row; its
+    # packed words come four at a time (16 bytes, one weight row a thread), each word looked
+    # up as four 16-bit pairs (``_PAIR_PTX``) that meet the matching pairs of x on the CUDA
+    # cores.
+    dt = x_ptr.dtype.element_ty
+    if NESTED:
+        scale = _mul_rn(code, second, EXACT_MUL) + offset
+    else:
+        scale = code
     l0, h0 = _table_words(code_ptr, scale, 0, dt, EXACT_BF16, PTX)
     l1, h1 = _table_words(code_ptr, scale, 1, dt, EXACT_BF16, PTX)
     l2, h2 = _table_words(code_ptr, scale, 2, dt, EXACT_BF16, PTX)
     l3, h3 = _table_words(code_ptr, scale, 3, dt, EXACT_BF16, PTX)
     l0, l1, l2, l3 = l0[:, None], l1[:, None], l2[:, None], l3[:, None]
     h0, h1, h2, h3 = h0[:, None], h1[:, None], h2[:, None], h3[:, None]
-    w32 = w_ptr.to(tl.pointer_type(tl.uint32)) + wr[:, None] * (K // 8)
+    w32 = w_ptr.to(tl.pointer_type(tl.uint32)) + wrows.to(tl.int64)[:, None] * (K // 8)
     four = tl.arange(0, 4)
     for q in tl.static_range(BLOCKSIZE // 32):
         w0 = j * (BLOCKSIZE // 8) + 4 * q  # the first of these four words, within the row
-        word = tl.load(w32 + (w0 + four)[None, :])
+        if BLOCKSIZE == 64:
+            word = wa if q == 0 else wb
+        else:
+            word = tl.load(w32 + (w0 + four)[None, :])
         if PTX:
             p0, p1, p2, p3 = tl.inline_asm_elementwise(
                 _PAIR_PTX, _PAIR_CONSTRAINTS, [word, l0, l1, l2, l3, h0, h1, h2, h3],
@@ -645,7 +673,7 @@ def _nf4_pair_kernel(x_ptr, w_ptr, s_ptr, code_ptr, n2_ptr, nc_ptr, sh_ptr, off_
                      NUM_SHARDS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                      BLOCKS_PER_ITER: tl.constexpr, SPLIT_K: tl.constexpr,
                      EXACT_BF16: tl.constexpr, EXACT_MUL: tl.constexpr, SILU_MUL: tl.constexpr,
-                     PTX: tl.constexpr):
+                     PTX: tl.constexpr, PREFETCH: tl.constexpr):
     # The CUDA-core GEMM on table lookups (``_pair_lookup``) for 1, 2 or 4 rows: every
     # operand is loaded in the layout it is used in, so nothing moves between threads in the
     # K loop. Grid, K split and partial sums as ``_nf4_gemm_kernel``.
@@ -669,18 +697,40 @@ def _nf4_pair_kernel(x_ptr, w_ptr, s_ptr, code_ptr, n2_ptr, nc_ptr, sh_ptr, off_
     u3 = a0
     per_split: tl.constexpr = K // BLOCKSIZE // SPLIT_K
     j0 = pid_k * per_split
+    last = j0 + per_split - 1
+    # With PREFETCH the reads of the next block are issued before this block's lookups (the
+    # last iteration reads its own block again), so they are in flight during the work.
+    c, sec, wa, wb = _pair_fetch(w_ptr, s_ptr, n2_ptr, nc_ptr, wcols, start, base, j0, K,
+                                 BLOCKSIZE, NESTED)
+    cu, secu, wau, wbu = c, sec, wa, wb  # up's (SILU_MUL: weight rows N + wcols)
+    if SILU_MUL:
+        cu, secu, wau, wbu = _pair_fetch(w_ptr, s_ptr, n2_ptr, nc_ptr, wcols + N, start_u,
+                                         base_u, j0, K, BLOCKSIZE, NESTED)
     for jj in range(0, per_split, BLOCKS_PER_ITER):
         for r in tl.static_range(BLOCKS_PER_ITER):
             j = j0 + jj + r
-            a0, a1, a2, a3 = _pair_block(a0, a1, a2, a3, x_ptr, r0, r1, r2, r3, w_ptr, s_ptr,
-                                         code_ptr, n2_ptr, nc_ptr, wcols, start, base, offset,
-                                         j, K, BLOCKSIZE, NESTED, BLOCK_M, EXACT_BF16,
-                                         EXACT_MUL, PTX)
+            if PREFETCH:
+                jn = tl.minimum(j + 1, last)
+            else:
+                jn = j
+            nc, nsec, nwa, nwb = _pair_fetch(w_ptr, s_ptr, n2_ptr, nc_ptr, wcols, start, base, jn,
+                                             K, BLOCKSIZE, NESTED)
+            if not PREFETCH:
+                c, sec, wa, wb = nc, nsec, nwa, nwb
+            a0, a1, a2, a3 = _pair_block(a0, a1, a2, a3, x_ptr, r0, r1, r2, r3, w_ptr, code_ptr,
+                                         wcols, offset, j, c, sec, wa, wb, K, BLOCKSIZE, NESTED,
+                                         BLOCK_M, EXACT_BF16, EXACT_MUL, PTX)
+            c, sec, wa, wb = nc, nsec, nwa, nwb
             if SILU_MUL:
+                nc, nsec, nwa, nwb = _pair_fetch(w_ptr, s_ptr, n2_ptr, nc_ptr, wcols + N, start_u,
+                                                 base_u, jn, K, BLOCKSIZE, NESTED)
+                if not PREFETCH:
+                    cu, secu, wau, wbu = nc, nsec, nwa, nwb
                 u0, u1, u2, u3 = _pair_block(u0, u1, u2, u3, x_ptr, r0, r1, r2, r3, w_ptr,
-                                             s_ptr, code_ptr, n2_ptr, nc_ptr, wcols + N,
-                                             start_u, base_u, offset_u, j, K, BLOCKSIZE,
-                                             NESTED, BLOCK_M, EXACT_BF16, EXACT_MUL, PTX)
+                                             code_ptr, wcols + N, offset_u, j, cu, secu, wau,
+                                             wbu, K, BLOCKSIZE, NESTED, BLOCK_M, EXACT_BF16,
+                                             EXACT_MUL, PTX)
+                cu, secu, wau, wbu = nc, nsec, nwa, nwb
     _store_output(_pair_sums(a0, a1, a2, a3, BLOCK_M), _pair_sums(u0, u1, u2, u3, BLOCK_M),
                   y_ptr, p_ptr, rows, cols, row_ok, col_ok, M, N, y_stride, pid_k, dt, SPLIT_K,
                   SILU_MUL)
@@ -735,6 +785,7 @@ class Nf4Config:
     num_stages: int = 3
     table: bool = False  # the tensor-core kernel on per-block lookup tables (16-bit inputs)
     pairs: bool = False  # the CUDA-core kernel on the same tables (16-bit inputs, 1-4 rows)
+    prefetch: bool = False  # pairs: the next block's reads issued before this block's work
 
     def fits(self, k: int, blocksize: int) -> bool:
         """Whether K (in blocks of ``blocksize``) divides into this config's loop."""
@@ -995,7 +1046,7 @@ def _launch_pairs(
         K=qw.shape[1], BLOCKSIZE=qw.blocksize, NESTED=qw.nested, NUM_SHARDS=_num_shards(qw),
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCKS_PER_ITER=cfg.blocks_per_iter,
         SPLIT_K=cfg.split_k, EXACT_BF16=_INTERPRETED, EXACT_MUL=not _INTERPRETED,
-        SILU_MUL=silu_mul, PTX=not _INTERPRETED,
+        SILU_MUL=silu_mul, PTX=not _INTERPRETED, PREFETCH=cfg.prefetch,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )  # fmt: skip
 
