@@ -3,7 +3,7 @@
 # dummy weights. The 4-bit kernel tests on CUDA, the one-row GEMM sweep (writes this GPU's
 # tuned entries), then the engine's decode steps twice on the same machine: "pairs" with the
 # tuned table as the sweep left it, "table" with each shape's one-row entry replaced by its
-# four-row one (the table kernel), then bf16.
+# four-row one (the table kernel), then bf16 (ENGINES, default "pairs table bf16").
 # Usage (repository root, offline GPU machine): bash tools/gpu_nf4_ab.sh
 # bitsandbytes itself: a directory holding the package on EXTRA_PYTHONPATH (its CUDA 13 library).
 set -uo pipefail
@@ -36,10 +36,12 @@ engine() {  # engine TAG FORMATS
     --batches "${BATCHES:-1,4}" --out "$OUT/quant_$1.json" >"$OUT/quant_$1.log" 2>&1
   grep -E "^(bitsandbytes|bf16) +(text|image) +bs=" "$OUT/quant_$1.log" | sed "s/^/$1: /"
 }
-stamp "engine, pairs at one row"
-engine pairs bitsandbytes
-cp "$TABLE" /tmp/tuned_pairs.json
-python3 - "$TABLE" <<'PY'
+for e in ${ENGINES:-pairs table bf16}; do
+  case $e in
+    pairs) stamp "engine, the tuned table (pairs at one row)"; engine pairs bitsandbytes ;;
+    table)
+      cp "$TABLE" /tmp/tuned_pairs.json
+      python3 - "$TABLE" <<'PY'
 import json, sys
 d = json.load(open(sys.argv[1]))
 for rows in d["configs"].values():
@@ -47,9 +49,10 @@ for rows in d["configs"].values():
         rows["1"] = rows["4"]
 json.dump(d, open(sys.argv[1], "w"), indent=1)
 PY
-stamp "engine, table kernel at one row"
-engine table bitsandbytes
-cp /tmp/tuned_pairs.json "$TABLE"
-stamp "engine, bf16"
-engine bf16 bf16
+      stamp "engine, the table kernel at one row"
+      engine table bitsandbytes
+      cp /tmp/tuned_pairs.json "$TABLE" ;;
+    bf16) stamp "engine, bf16"; engine bf16 bf16 ;;
+  esac
+done
 stamp done
