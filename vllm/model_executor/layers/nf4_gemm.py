@@ -300,6 +300,33 @@ def _store_output(acc, acc_u, y_ptr, p_ptr, rows, cols, row_ok, col_ok, M, N, y_
             tl.store(p_ptrs + N, acc_u, mask=mask)
 
 
+def _nibble_lookup_ptx(halves: list[tuple[tuple[str, ...], list[tuple[str, str]]]]) -> str:
+    """The PTX of eight 4-bit lookups into a 16-entry table of 16-bit values held as byte
+    planes (``$4`` the packed word): per half word, the table operands (low-byte words of
+    entries 0-3, 4-7, 8-11, 12-15, then the high-byte ones) and the outputs with the byte
+    selectors that interleave the two planes into them."""
+    lines = [
+        ".reg .b32 s, q, a, b, l, h;",
+        "and.b32 s, $4, 0x77777777;",
+        "shr.b32 q, $4, 1;",
+        "and.b32 q, q, 0x44444444;",
+        "or.b32 q, q, 0x32103210;",
+    ]
+    for i, (t, outs) in enumerate(halves):
+        if i:
+            lines += ["shr.b32 s, s, 16;", "shr.b32 q, q, 16;"]
+        lines += [
+            f"prmt.b32 a, {t[0]}, {t[1]}, s;",
+            f"prmt.b32 b, {t[2]}, {t[3]}, s;",
+            "prmt.b32 l, a, b, q;",
+            f"prmt.b32 a, {t[4]}, {t[5]}, s;",
+            f"prmt.b32 b, {t[6]}, {t[7]}, s;",
+            "prmt.b32 h, a, b, q;",
+        ]
+        lines += [f"prmt.b32 {out}, l, h, {sel};" for out, sel in outs]
+    return "{\n" + "\n".join(lines) + "\n}"
+
+
 # The 16 dequantized values of one scale block, as four 32-bit words of their low bytes and four
 # of their high bytes (entry 4q + r in byte r of word q), are a lookup table that byte permutes
 # (prmt) index directly: a 16-bit selector of four 4-bit indices picks four bytes out of two
@@ -310,31 +337,10 @@ def _store_output(acc, acc_u, y_ptr, p_ptr, rows, cols, row_ok, col_ok, M, N, y_
 # even values, $2 $3 odd, $4 four packed bytes, then each table word four times (once per byte);
 # bytes 0-1 read the table of byte 0 and bytes 2-3 that of byte 2 (a thread's consecutive
 # bytes of one scale block: the kernel's tiles are whole blocks).
-_LUT_PTX = tl.constexpr("""{
-.reg .b32 s, q, a, b, l, h;
-and.b32 s, $4, 0x77777777;
-shr.b32 q, $4, 1;
-and.b32 q, q, 0x44444444;
-or.b32 q, q, 0x32103210;
-prmt.b32 a, $5, $9, s;
-prmt.b32 b, $13, $17, s;
-prmt.b32 l, a, b, q;
-prmt.b32 a, $21, $25, s;
-prmt.b32 b, $29, $33, s;
-prmt.b32 h, a, b, q;
-prmt.b32 $0, l, h, 0x7351;
-prmt.b32 $2, l, h, 0x6240;
-shr.b32 s, s, 16;
-shr.b32 q, q, 16;
-prmt.b32 a, $7, $11, s;
-prmt.b32 b, $15, $19, s;
-prmt.b32 l, a, b, q;
-prmt.b32 a, $23, $27, s;
-prmt.b32 b, $31, $35, s;
-prmt.b32 h, a, b, q;
-prmt.b32 $1, l, h, 0x7351;
-prmt.b32 $3, l, h, 0x6240;
-}""")
+_LUT_PTX = tl.constexpr(_nibble_lookup_ptx([
+    (("$5", "$9", "$13", "$17", "$21", "$25", "$29", "$33"), [("$0", "0x7351"), ("$2", "0x6240")]),
+    (("$7", "$11", "$15", "$19", "$23", "$27", "$31", "$35"), [("$1", "0x7351"), ("$3", "0x6240")]),
+]))
 
 # Four output registers, the packed bytes, then 8 table words x 4 elements.
 _LUT_CONSTRAINTS = tl.constexpr("=r,=r,=r,=r," + ",".join(["r"] * 33))
@@ -459,31 +465,11 @@ def _nf4_table_kernel(x_ptr, w_ptr, s_ptr, code_ptr, n2_ptr, nc_ptr, sh_ptr, off
 
 # The pair kernel: CUDA-core GEMV on per-block tables, looked-up values as bf16 pairs.
 
-_PAIR_PTX = tl.constexpr("""{
-.reg .b32 s, q, a, b, l, h;
-and.b32 s, $4, 0x77777777;
-shr.b32 q, $4, 1;
-and.b32 q, q, 0x44444444;
-or.b32 q, q, 0x32103210;
-prmt.b32 a, $5, $6, s;
-prmt.b32 b, $7, $8, s;
-prmt.b32 l, a, b, q;
-prmt.b32 a, $9, $10, s;
-prmt.b32 b, $11, $12, s;
-prmt.b32 h, a, b, q;
-prmt.b32 $0, l, h, 0x4051;
-prmt.b32 $1, l, h, 0x6273;
-shr.b32 s, s, 16;
-shr.b32 q, q, 16;
-prmt.b32 a, $5, $6, s;
-prmt.b32 b, $7, $8, s;
-prmt.b32 l, a, b, q;
-prmt.b32 a, $9, $10, s;
-prmt.b32 b, $11, $12, s;
-prmt.b32 h, a, b, q;
-prmt.b32 $2, l, h, 0x4051;
-prmt.b32 $3, l, h, 0x6273;
-}""")
+_PAIR_TABLE = ("$5", "$6", "$7", "$8", "$9", "$10", "$11", "$12")
+_PAIR_PTX = tl.constexpr(_nibble_lookup_ptx([
+    (_PAIR_TABLE, [("$0", "0x4051"), ("$1", "0x6273")]),
+    (_PAIR_TABLE, [("$2", "0x4051"), ("$3", "0x6273")]),
+]))
 _PAIR_CONSTRAINTS = tl.constexpr("=r,=r,=r,=r," + ",".join(["r"] * 9))
 
 
@@ -674,7 +660,7 @@ def _nf4_pair_kernel(x_ptr, w_ptr, s_ptr, code_ptr, n2_ptr, nc_ptr, sh_ptr, off_
                      BLOCKS_PER_ITER: tl.constexpr, SPLIT_K: tl.constexpr,
                      EXACT_BF16: tl.constexpr, EXACT_MUL: tl.constexpr, SILU_MUL: tl.constexpr,
                      PTX: tl.constexpr, PREFETCH: tl.constexpr):
-    # The CUDA-core GEMM on table lookups (``_pair_lookup``) for 1, 2 or 4 rows: every
+    # The CUDA-core GEMM on table lookups (``_pair_block``) for 1, 2 or 4 rows: every
     # operand is loaded in the layout it is used in, so nothing moves between threads in the
     # K loop. Grid, K split and partial sums as ``_nf4_gemm_kernel``.
     (pid_m, pid_n, pid_k, rows, cols, row_ok, col_ok, start, base, offset, start_u, base_u,
