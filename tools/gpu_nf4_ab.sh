@@ -5,6 +5,7 @@
 # tuned table as the sweep left it, "table" with each shape's one-row entry replaced by its
 # four-row one (the table kernel), then bf16 (ENGINES, default "pairs table bf16").
 # Usage (repository root, offline GPU machine): bash tools/gpu_nf4_ab.sh
+# Env: ENGINES, SHAPES (the sweep's), PYTEST_K (a -k expression for the tests), SWEEP_S.
 # bitsandbytes itself: a directory holding the package on EXTRA_PYTHONPATH (its CUDA 13 library).
 set -uo pipefail
 source tools/gpu_env.sh || exit 1
@@ -13,11 +14,13 @@ stamp() { echo "[$((SECONDS - T0)) s] $*"; }
 TABLE=$(python3 -c "import torch; from vllm.model_executor.layers import nf4_gemm
 print(nf4_gemm.tuned_table_path(torch.cuda.get_device_name()))")
 stamp "4-bit GEMM tests on CUDA"
-python3 -m pytest -q -p no:cacheprovider tests/kernels/test_nf4_gemm.py >"$OUT/nf4_tests.log" 2>&1
+python3 -m pytest -q -p no:cacheprovider tests/kernels/test_nf4_gemm.py ${PYTEST_K:+-k "$PYTEST_K"} \
+  >"$OUT/nf4_tests.log" 2>&1
 tail -1 "$OUT/nf4_tests.log"
 stamp "one-row sweep"
 timeout "${SWEEP_S:-200}" python3 -m benchmarks.kernels nf4 --sweep --table --silu --jobs 14 \
-  --rows 1 --json "$OUT/nf4_rows1.json" >"$OUT/nf4_sweep.log" 2>&1
+  --rows 1 --shapes "${SHAPES:-qkv,o_proj,gate_up,down}" --json "$OUT/nf4_rows1.json" \
+  >"$OUT/nf4_sweep.log" 2>&1
 tail -1 "$OUT/nf4_sweep.log"
 cp "$TABLE" "$OUT/"
 python3 - "$OUT/nf4_rows1.json" <<'PY'
