@@ -5,7 +5,8 @@
 # tuned table as the sweep left it, "table" with each shape's one-row entry replaced by its
 # four-row one (the table kernel), then bf16 (ENGINES, default "pairs table bf16").
 # Usage (repository root, offline GPU machine): bash tools/gpu_nf4_ab.sh
-# Env: ENGINES, SHAPES (the sweep's), PYTEST_K (a -k expression for the tests), SWEEP_S.
+# Env: PARTS (default "tests sweep engines"), ENGINES, SHAPES (the sweep's), PYTEST_K (a -k
+# expression for the tests), SWEEP_S.
 # bitsandbytes itself: a directory holding the package on EXTRA_PYTHONPATH (its CUDA 13 library).
 set -uo pipefail
 source tools/gpu_env.sh || exit 1
@@ -13,10 +14,14 @@ T0=$SECONDS
 stamp() { echo "[$((SECONDS - T0)) s] $*"; }
 TABLE=$(python3 -c "import torch; from vllm.model_executor.layers import nf4_gemm
 print(nf4_gemm.tuned_table_path(torch.cuda.get_device_name()))")
+PARTS=${PARTS:-tests sweep engines}
+if [[ " $PARTS " == *" tests "* ]]; then
 stamp "4-bit GEMM tests on CUDA"
 python3 -m pytest -q -p no:cacheprovider tests/kernels/test_nf4_gemm.py ${PYTEST_K:+-k "$PYTEST_K"} \
   >"$OUT/nf4_tests.log" 2>&1
 tail -1 "$OUT/nf4_tests.log"
+fi
+if [[ " $PARTS " == *" sweep "* ]]; then
 stamp "one-row sweep"
 timeout "${SWEEP_S:-200}" python3 -m benchmarks.kernels nf4 --sweep --table --silu --jobs 14 \
   --rows 1 --shapes "${SHAPES:-qkv,o_proj,gate_up,down}" --json "$OUT/nf4_rows1.json" \
@@ -34,11 +39,13 @@ for r in rep["nf4"]:
              r.get("nf4_best_table", nan), r.get("bnb_matmul_4bit", nan)]
     print(f"{r['shape']:8s} " + "  ".join(f"{c['us']:6.1f} ({c['pct_read']:4.1f})" for c in cells))
 PY
+fi
 engine() {  # engine TAG FORMATS
   timeout "${ENGINE_S:-120}" python3 -m benchmarks.engine quant --steps 30 --formats "$2" \
     --batches "${BATCHES:-1,4}" --out "$OUT/quant_$1.json" >"$OUT/quant_$1.log" 2>&1
   grep -E "^(bitsandbytes|bf16) +(text|image) +bs=" "$OUT/quant_$1.log" | sed "s/^/$1: /"
 }
+[[ " $PARTS " == *" engines "* ]] || ENGINES=" "
 for e in ${ENGINES:-pairs table bf16}; do
   case $e in
     pairs) stamp "engine, the tuned table (pairs at one row)"; engine pairs bitsandbytes ;;
