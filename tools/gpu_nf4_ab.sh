@@ -24,7 +24,7 @@ fi
 if [[ " $PARTS " == *" sweep "* ]]; then
 stamp "one-row sweep"
 timeout "${SWEEP_S:-200}" python3 -m benchmarks.kernels nf4 --sweep --table --silu --jobs 14 \
-  --rows 1 --shapes "${SHAPES:-qkv,o_proj,gate_up,down}" --json "$OUT/nf4_rows1.json" \
+  --rows "${ROWS:-1}" --shapes "${SHAPES:-qkv,o_proj,gate_up,down}" --json "$OUT/nf4_rows1.json" \
   >"$OUT/nf4_sweep.log" 2>&1
 tail -1 "$OUT/nf4_sweep.log"
 cp "$TABLE" "$OUT/"
@@ -32,12 +32,13 @@ python3 - "$OUT/nf4_rows1.json" <<'PY'
 import json, sys
 rep = json.load(open(sys.argv[1]))
 print(f"read {rep['read_gb_s']:.0f} GB/s; us (% read) at one row")
-print("shape     bf16          pairs          prefetch       table          bnb")
+print("shape     M  bf16          pairs          prefetch       mma            table          bnb")
 nan = {"us": float("nan"), "pct_read": float("nan")}
 for r in rep["nf4"]:
     cells = [r["bf16"], r.get("nf4_best_pairs", nan), r.get("nf4_best_prefetch", nan),
-             r.get("nf4_best_table", nan), r.get("bnb_matmul_4bit", nan)]
-    print(f"{r['shape']:8s} " + "  ".join(f"{c['us']:6.1f} ({c['pct_read']:4.1f})" for c in cells))
+             r.get("nf4_best_mma", nan), r.get("nf4_best_table", nan),
+             r.get("bnb_matmul_4bit", nan)]
+    print(f"{r['shape']:8s} {r['m']:2d} " + "  ".join(f"{c['us']:6.1f} ({c['pct_read']:4.1f})" for c in cells))
 PY
 fi
 engine() {  # engine TAG FORMATS

@@ -79,8 +79,9 @@ SWEEP_MAX_ROWS = 256  # larger row counts are prefill: the scratch path and cuBL
 
 def sweep(m: int, k: int, blocksize: int = 64) -> list[Nf4Config]:
     """The candidate configs for ``m`` rows (those whose loop divides K): the CUDA-core pair
-    kernel up to 4 rows, the tensor-core table kernel at every decode size (a narrower grid
-    where the pair kernel runs too); none for prefill sizes."""
+    kernel up to 4 rows, the mma kernel up to 16 (blocks of 64), the tensor-core table kernel
+    at every decode size (a narrower grid where the pair kernel runs too); none for prefill
+    sizes."""
     if m > SWEEP_MAX_ROWS:
         return []
     cands = []
@@ -96,6 +97,9 @@ def sweep(m: int, k: int, blocksize: int = 64) -> list[Nf4Config]:
             Nf4Config(bm, bn, it, sp, num_warps=w, pairs=True, prefetch=pf)
             for (bn, w), it, sp, pf in grid
         ]
+    if m <= 16 and blocksize == 64:
+        grid = itertools.product([2, 4, 8], [1, 2, 4, 8, 16])
+        cands += [Nf4Config(8, 16 * w, 4, sp, num_warps=w, mma=True) for w, sp in grid]
     bm = 16 if m <= 16 else (32 if m <= 32 else 64)
     table_grid = itertools.product(
         [64] if m <= 4 else [32, 64, 128],
@@ -235,6 +239,7 @@ def bench_row(x: torch.Tensor, c: Copies, silu: bool, do_sweep: bool, bw: dict) 
             "pairs": lambda c: c.pairs and not c.prefetch,
             "prefetch": lambda c: c.pairs and c.prefetch,
             "table": lambda c: c.table,
+            "mma": lambda c: c.mma,
         }
         for kind, of_kind in kinds.items():
             mine = [t for t in timed if of_kind(t[1])]

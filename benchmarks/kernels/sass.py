@@ -7,12 +7,13 @@ issue rate bounds it, see ``fp8_gemm._E4M3X4_PTX``). Pointer arguments and strid
 compiled as 16-byte aligned, as Triton specializes them at run time.
 
     python -m benchmarks.kernels sass fp8 [--config 16,32,256,2] [--swap] [--silu] [--stages 3]
-    python -m benchmarks.kernels sass nf4 [--config 16,64,2,4] [--pairs] [--silu] [--stages 3]
+    python -m benchmarks.kernels sass nf4 [--config 16,64,2,4] [--pairs | --mma] [--silu]
 
 fp8 ``--config``: block_m, block_n, block_k, split_k (``Fp8Config``); nf4: block_m, block_n,
 blocks_per_iter, split_k of the table kernel (``Nf4Config(table=True)``) or with ``--pairs``
-of the pair kernel (``Nf4Config(pairs=True)``), blocksize 64, nested scales. The K is the 11B
-hidden size (4096).
+of the pair kernel (``Nf4Config(pairs=True)``), with ``--mma`` of the mma kernel (8 rows, 4
+blocks an iteration and 16 weight rows a warp whatever the config says: only its split and
+``--warps`` count), blocksize 64, nested scales. The K is the 11B hidden size (4096).
 """
 
 from __future__ import annotations
@@ -50,6 +51,13 @@ def compile_sass(
 ) -> str:
     """The SASS of ``fn`` compiled for sm_90 with these argument types and constants (every
     argument is one or the other)."""
+    return compile_both(fn, types, constexprs, num_warps, num_stages)[0]
+
+
+def compile_both(
+    fn, types: dict[str, str], constexprs: dict[str, object], num_warps: int, num_stages: int
+) -> tuple[str, str]:
+    """(SASS, TTGIR) of ``fn`` compiled for sm_90."""
     signature = {name: "constexpr" if name in constexprs else types[name] for name in fn.arg_names}
     attrs = {
         (i,): [["tt.divisibility", 16]]
@@ -71,7 +79,22 @@ def compile_sass(
             text=True,
             check=True,
         )
-    return done.stdout
+    return done.stdout, kernel.asm["ttgir"]
+
+
+_LAYOUT = re.compile(r"^(#[\w]+) = (.*)$", re.M)
+_OPERAND_TYPES = re.compile(r"tensor<[^>]*, (#\w+)>")
+
+
+def asm_operand_layouts(ttgir: str, marker: str) -> set[str]:
+    """The layouts (their definitions) of every operand and result of the inline-asm ops whose
+    text contains ``marker``."""
+    defs = dict(_LAYOUT.findall(ttgir))
+    found: set[str] = set()
+    for line in ttgir.splitlines():
+        if "elementwise_inline_asm" in line and marker in line:
+            found |= {defs.get(a, a) for a in _OPERAND_TYPES.findall(line.split("}", 1)[-1])}
+    return found
 
 
 _INSTR = re.compile(r"^\s+/\*([0-9a-f]{4,})\*/\s+(.*?)\s*;")
@@ -144,6 +167,8 @@ def nf4_loop(
     num_stages: int = 3,
     pairs: bool = False,
     prefetch: bool = False,
+    mma: bool = False,
+    layouts: list[str] | None = None,
 ) -> tuple[LoopMix, int]:
     """The NF4 table kernel's (or with ``pairs`` the pair kernel's) K loop for bf16
     activations (blocksize 64, nested scales, a three-shard weight), and the weight values a
@@ -158,13 +183,21 @@ def nf4_loop(
     )
     consts.update(BLOCKS_PER_ITER=blocks_per_iter, SPLIT_K=split_k)
     consts.update(EXACT_BF16=False, EXACT_MUL=True, SILU_MUL=silu, PTX=True)
-    if pairs:
+    if mma:  # 8 rows, 4 blocks an iteration, 16 weight rows a warp: only the split counts
+        fn = nf4_gemm._nf4_mma_kernel
+        for name in ("BLOCKSIZE", "BLOCK_M", "BLOCK_N", "BLOCKS_PER_ITER"):
+            del consts[name]
+        consts["WARPS"] = num_warps
+        block_n, blocks_per_iter = 16 * num_warps, 4
+    elif pairs:
         fn = nf4_gemm._nf4_pair_kernel
         consts["PREFETCH"] = prefetch
     else:
         fn = nf4_gemm._nf4_table_kernel
         consts["DOT_F32"] = False
-    sass = compile_sass(fn, types, consts, num_warps, num_stages)
+    sass, ttgir = compile_both(fn, types, consts, num_warps, num_stages)
+    if layouts is not None:  # where the inline tensor-core products read their fragments
+        layouts += sorted(asm_operand_layouts(ttgir, "mma.sync"))
     values = block_n * blocks_per_iter * 64 * (2 if silu else 1) // (32 * num_warps)
     return k_loop(sass), values
 
@@ -176,6 +209,7 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> None:
     ap.add_argument("--swap", action="store_true", help="fp8: the swapped kernel")
     ap.add_argument("--pairs", action="store_true", help="nf4: the pair kernel")
     ap.add_argument("--prefetch", action="store_true", help="nf4 --pairs: prefetching")
+    ap.add_argument("--mma", action="store_true", help="nf4: the mma kernel (--warps, split)")
     ap.add_argument("--silu", action="store_true", help="gate|up with the SiLU epilogue")
     ap.add_argument("--warps", type=int, default=4)
     ap.add_argument("--stages", type=int, default=3)
@@ -190,11 +224,25 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> None:
     if args.kernel == "fp8":
         mix, values = fp8_loop(a, b, c, d, args.swap, args.silu, args.warps, args.stages)
     else:
+        layouts: list[str] = []
         mix, values = nf4_loop(
-            a, b, c, d, args.silu, args.warps, args.stages, args.pairs, args.prefetch
+            a,
+            b,
+            c,
+            d,
+            args.silu,
+            args.warps,
+            args.stages,
+            args.pairs,
+            args.prefetch,
+            args.mma,
+            layouts,
         )
     if args.json:
-        print(json.dumps({"instructions": mix.instructions, "values": values, **mix.opcodes}))
+        extra = {"mma_layouts": layouts} if args.kernel == "nf4" and args.mma else {}
+        print(
+            json.dumps({"instructions": mix.instructions, "values": values, **mix.opcodes, **extra})
+        )
         return
     print(
         f"{args.kernel} K loop: {mix.instructions} instructions for {values} weight values a "

@@ -80,3 +80,26 @@ def test_nf4_pair_kernel_moves_nothing_between_threads(args) -> None:
     assert mix["values"] > 0 and mix.get("FFMA", 0) > 0 and mix.get("PRMT", 0) > 0
     moves = ("BAR", "LDS", "STS", "LDSM", "STL", "LDL")
     assert {op: mix[op] for op in moves if op in mix} == {}
+
+
+@pytest.mark.parametrize(
+    "args",
+    [("--config", "8,64,4,4"), ("--config", "8,128,4,2", "--warps", "8", "--silu")],
+    ids=["4-warps", "8-warps-silu"],
+)
+def test_nf4_mma_kernel_hands_each_lane_its_fragments(args) -> None:
+    """The NF4 mma kernel's inline m16n8k16 steps take a lane's four consecutive registers of
+    each [LANES, 4] operand as its share of the fragments: right only where every operand of
+    that asm has one row a lane (32 lanes a warp, warps one after another) and its four
+    columns in one thread, the layout a 16-byte load along the columns gives. Its K loop
+    runs on the tensor cores and moves nothing between threads."""
+    mix = loop_mix("nf4", "--mma", *args)
+    warps = args[args.index("--warps") + 1] if "--warps" in args else "4"
+    assert mix["mma_layouts"] == [
+        "#ttg.blocked<{sizePerThread = [1, 4], threadsPerWarp = [32, 1], "
+        f"warpsPerCTA = [{warps}, 1], order = [1, 0]}}>"
+    ]
+    assert mix["values"] > 0 and mix.get("HMMA", 0) > 0 and mix.get("PRMT", 0) > 0
+    assert "FFMA" not in mix
+    moves = ("BAR", "LDS", "STS", "LDSM", "STL", "LDL")
+    assert {op: mix[op] for op in moves if op in mix} == {}

@@ -58,7 +58,7 @@ def test_dequantized_tile_is_bitwise_dequantize_4bit(shards, k, qt, bs, nested, 
 
 @pytest.mark.parametrize(("shards", "k", "qt", "bs", "nested", "dtype"), CASES)
 @pytest.mark.parametrize(
-    "kernel", ["split", "whole", "table", "table-split", "pairs", "pairs-split"]
+    "kernel", ["split", "whole", "table", "table-split", "pairs", "pairs-split", "mma", "mma-split"]
 )
 def test_gemm_tile_is_bitwise_dequantize_4bit(shards, k, qt, bs, nested, dtype, kernel) -> None:
     """The GEMM's own dequantized weights, seen through one-hot inputs (each output is then
@@ -70,12 +70,17 @@ def test_gemm_tile_is_bitwise_dequantize_4bit(shards, k, qt, bs, nested, dtype, 
     x = torch.zeros(len(cols), k, dtype=dtype)
     x[torch.arange(len(cols)), cols] = 1
     halved = (k // bs) % 2 == 0
-    if kernel.startswith(("table", "pairs")) and dtype == torch.float32:
-        pytest.skip("the table and pair kernels take 16-bit inputs")
+    if kernel.startswith(("table", "pairs", "mma")) and dtype == torch.float32:
+        pytest.skip("the table, pair and mma kernels take 16-bit inputs")
+    if kernel.startswith("mma") and (bs != 64 or (k // bs) % (8 if kernel == "mma-split" else 4)):
+        pytest.skip("the mma kernel runs blocks of 64, four an iteration")
     if kernel.startswith("table"):
         cfg = Nf4Config(16, 16, table=True)
         if kernel == "table-split" and halved:
             cfg = Nf4Config(16, 32, split_k=2, table=True)
+    elif kernel.startswith("mma"):
+        # 64 weight rows a program (rows past N clamped), 8 x rows (rows past M clamped).
+        cfg = Nf4Config(8, 64, 4, split_k=2 if kernel == "mma-split" else 1, mma=True)
     elif kernel.startswith("pairs"):
         cfg = Nf4Config(4, 256, pairs=True)  # weight rows past N clamped
         if kernel == "pairs-split" and halved:
@@ -106,6 +111,9 @@ PAIR_CASES = [
     (3, Nf4Config(2, 128, blocks_per_iter=2, split_k=2, pairs=True)),  # x rows past M clamped
     (21, Nf4Config(4, 128, split_k=2, pairs=True)),
     (2, Nf4Config(2, 128, split_k=2, pairs=True, prefetch=True)),  # the next block read ahead
+    # The tensor-core mma kernel: 8 x rows a program (past M clamped), 16 weight rows a warp.
+    (3, Nf4Config(8, 64, 4, mma=True)),
+    (17, Nf4Config(8, 128, 4, num_warps=8, mma=True)),  # three row programs, 48 rows past N
 ]
 
 
@@ -134,6 +142,11 @@ def test_fp16_gemm_and_float32_out() -> None:
         nf4_gemm.nf4_gemm(x, qw, cfg, out=out)
         assert torch.equal(out, nf4_gemm.nf4_gemm(x, qw, cfg).float())
         torch.testing.assert_close(out, x.float() @ ref.float().T, rtol=2**-9, atol=1e-3)
+    layer, ref = bnb_layer([96], 256, "nf4", 64, True, torch.float16)  # the mma kernel's blocks
+    x = torch.randn(5, 256).to(DEVICE, torch.float16)
+    cfg = Nf4Config(8, 32, 4, num_warps=2, mma=True)
+    y = nf4_gemm.nf4_gemm(x, layer.fmt.quantized_weight(layer), cfg)
+    torch.testing.assert_close(y.float(), x.float() @ ref.float().T, rtol=2**-9, atol=1e-3)
 
 
 @pytest.mark.parametrize(
@@ -147,6 +160,7 @@ def test_fp16_gemm_and_float32_out() -> None:
         (1, Nf4Config(1, 128, pairs=True)),
         (3, Nf4Config(4, 128, blocks_per_iter=2, split_k=2, pairs=True)),
         (1, Nf4Config(1, 128, pairs=True, prefetch=True)),
+        (3, Nf4Config(8, 64, 4, mma=True)),
     ],
 )
 def test_silu_epilogue_equals_gemm_then_silu_and_mul(m: int, cfg: Nf4Config) -> None:
@@ -228,7 +242,7 @@ def test_graph_replay_equals_eager() -> None:
         assert torch.equal(static_y, eager)
 
 
-def test_table_and_pair_kernels_refuse_what_they_cannot_run() -> None:
+def test_table_pair_and_mma_kernels_refuse_what_they_cannot_run() -> None:
     layer, _ = bnb_layer([64], 256)
     qw = layer.fmt.quantized_weight(layer)
     with pytest.raises(ValueError, match="16-bit inputs"):
@@ -244,6 +258,20 @@ def test_table_and_pair_kernels_refuse_what_they_cannot_run() -> None:
     wide = torch.randn(2, 258).to(DEVICE, torch.bfloat16)
     with pytest.raises(ValueError, match="32-bit pairs"):  # rows start 2 bytes off
         nf4_gemm.nf4_gemm(wide[:, 1:257], qw, Nf4Config(1, 32, pairs=True))
+    with pytest.raises(ValueError, match="32-bit pairs"):
+        nf4_gemm.nf4_gemm(wide[:, 1:257], qw, Nf4Config(8, 64, 4, mma=True))
+    with pytest.raises(ValueError, match="16-bit inputs"):
+        nf4_gemm.nf4_gemm(x.float(), qw, Nf4Config(8, 64, 4, mma=True))
+    with pytest.raises(ValueError, match="16 weight rows a warp"):
+        nf4_gemm.nf4_gemm(x, qw, Nf4Config(8, 128, 4, mma=True))  # 4 warps hold 64 rows
+    with pytest.raises(ValueError, match="8 rows and 4 blocks"):
+        nf4_gemm.nf4_gemm(x, qw, Nf4Config(8, 64, 2, mma=True))
+    wide_blocks, _ = bnb_layer([64], 512, "nf4", 128, True)  # four blocks of 128
+    with pytest.raises(ValueError, match="blocks of 64"):
+        qw = wide_blocks.fmt.quantized_weight(wide_blocks)
+        nf4_gemm.nf4_gemm(
+            torch.randn(2, 512).to(DEVICE, torch.bfloat16), qw, Nf4Config(8, 64, 4, mma=True)
+        )
 
 
 def test_heuristic_configs() -> None:

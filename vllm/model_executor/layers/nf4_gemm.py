@@ -300,15 +300,17 @@ def _store_output(acc, acc_u, y_ptr, p_ptr, rows, cols, row_ok, col_ok, M, N, y_
             tl.store(p_ptrs + N, acc_u, mask=mask)
 
 
-def _nibble_lookup_ptx(halves: list[tuple[tuple[str, ...], list[tuple[str, str]]]]) -> str:
+def _nibble_lookup_ptx(
+    halves: list[tuple[tuple[str, ...], list[tuple[str, str]]]], word: str = "$4"
+) -> str:
     """The PTX of eight 4-bit lookups into a 16-entry table of 16-bit values held as byte
-    planes (``$4`` the packed word): per half word, the table operands (low-byte words of
+    planes (``word`` the packed word): per half word, the table operands (low-byte words of
     entries 0-3, 4-7, 8-11, 12-15, then the high-byte ones) and the outputs with the byte
     selectors that interleave the two planes into them."""
     lines = [
         ".reg .b32 s, q, a, b, l, h;",
-        "and.b32 s, $4, 0x77777777;",
-        "shr.b32 q, $4, 1;",
+        f"and.b32 s, {word}, 0x77777777;",
+        f"shr.b32 q, {word}, 1;",
         "and.b32 q, q, 0x44444444;",
         "or.b32 q, q, 0x32103210;",
     ]
@@ -722,6 +724,242 @@ def _nf4_pair_kernel(x_ptr, w_ptr, s_ptr, code_ptr, n2_ptr, nc_ptr, sh_ptr, off_
                   SILU_MUL)
 
 
+# The mma kernel: the same lookups as the A fragments of m16n8k16 tensor-core products.
+#
+# Lanes are addressed explicitly: lane l of warp w (element 32w + l of every [LANES, 4]
+# tensor, whose four columns are one lane's four consecutive registers: a 16-byte load) is
+# lane group g = l / 4, thread t = l % 4 of the fragments. It holds weight rows 16w + g and
+# 16w + g + 8 of the tile (the fragments' rows g and g + 8) and x row g of the tile (the B
+# fragment's column g); in each iteration of four scale blocks, thread t reads block t of
+# both weight rows and of its x row. A product's k slots 2t, 2t + 1, 2t + 8 and 2t + 9 hold
+# four consecutive values of block t: which value sits in which slot only has to agree
+# between the A and the B fragment, and both are read from the same thread's block. The
+# accumulators are the D fragment: column c of lane (g, t) is weight row g (c < 2) or g + 8,
+# x row 2t + c % 2.
+
+
+def _mma_half_ptx(ab: str) -> str:
+    """The PTX of eight m16n8k16 steps over half a scale block (four packed words of each
+    of the lane's two weight rows, 32 values): operands $0-$3 the accumulators out, $4-$7
+    and $8-$11 the words of weight rows g and g + 8, $12-$19 and $20-$27 their tables (low
+    planes, then high), $28-$43 x's 16 pairs, $44-$47 the accumulators in."""
+    lo = tuple(f"${i}" for i in range(12, 20))
+    hi = tuple(f"${i}" for i in range(20, 28))
+    lines = [".reg .b32 p0, p1, p2, p3, r0, r1, r2, r3;"]
+    acc_in = "$44, $45, $46, $47"
+    for i in range(4):
+        for table, out, word in ((lo, "p", 4 + i), (hi, "r", 8 + i)):
+            # The word's four pairs (elements 2k, 2k + 1 of byte k) into out0 .. out3.
+            pairs = [(f"{out}{k}", "0x4051" if k % 2 == 0 else "0x6273") for k in range(4)]
+            lines.append(_nibble_lookup_ptx([(table, pairs[:2]), (table, pairs[2:])], f"${word}"))
+        x = [f"${28 + 4 * i + r}" for r in range(4)]
+        for a, b in ((("p0", "r0", "p1", "r1"), x[:2]), (("p2", "r2", "p3", "r3"), x[2:])):
+            lines.append(
+                f"mma.sync.aligned.m16n8k16.row.col.f32.{ab}.{ab}.f32 {{$0, $1, $2, $3}}, "
+                f"{{{', '.join(a)}}}, {{{', '.join(b)}}}, {{{acc_in}}};")
+            acc_in = "$0, $1, $2, $3"
+    return "{\n" + "\n".join(lines) + "\n}"
+
+
+_MMA_HALF_BF16 = tl.constexpr(_mma_half_ptx("bf16"))
+_MMA_HALF_F16 = tl.constexpr(_mma_half_ptx("f16"))
+_MMA_HALF_CONSTRAINTS = tl.constexpr(
+    ",".join(["=f"] * 4 + ["r"] * 40 + ["f"] * 4))
+
+
+@triton.jit
+def _mma_word(table, q: tl.constexpr):
+    # Column q of a [LANES, 4] table plane as [LANES, 1] (the interpreter's form).
+    return tl.sum(tl.where(tl.arange(0, 4)[None, :] == q, table, 0), axis=1)[:, None]
+
+
+@triton.jit
+def _mma_values(word, lo, hi, dt: tl.constexpr):
+    # The interpreter's form of the lookups: [LANES, 4] packed words against the lane's
+    # table ([LANES, 4] low and high planes) -> [LANES, 32] float32 values in order.
+    # Element 8i + 2k is the high nibble of byte k of word i, 8i + 2k + 1 its low nibble.
+    byte = (word[:, :, None] >> (8 * tl.arange(0, 4)[None, None, :])) & 0xFF  # [L, 4, 4]
+    idx = tl.reshape(tl.join(byte >> 4, byte & 15), (word.shape[0], 32))
+    v = _table_value(_mma_word(lo, 0), _mma_word(lo, 1), _mma_word(lo, 2), _mma_word(lo, 3),
+                     _mma_word(hi, 0), _mma_word(hi, 1), _mma_word(hi, 2), _mma_word(hi, 3),
+                     idx, dt)
+    return v.to(tl.float32)
+
+
+@triton.jit
+def _mma_lane_sum(w, xv, WARPS: tl.constexpr):
+    # The interpreter's form of the products: w and xv [LANES, 32] float32 (lane (g, t)'s
+    # values of its weight row and of x row g) -> [LANES, 2]: for lane (g, t) the row's sums
+    # with x rows 2t and 2t + 1 over the four threads' blocks.
+    w4 = tl.reshape(w, (WARPS, 8, 1, 128))
+    x4 = tl.reshape(xv, (WARPS, 1, 8, 128))
+    d = tl.sum(w4 * x4, axis=3)  # [WARPS, 8 (weight row g), 8 (x row)]
+    return tl.reshape(d, (WARPS * 32, 2))  # x row 2t + c of lane (g, t) at [32w + 4g + t, c]
+
+
+@triton.jit
+def _mma_half(acc, wl, wh, tl_lo, th_lo, tl_hi, th_hi, x0, x1, x2, x3, dt: tl.constexpr,
+              WARPS: tl.constexpr, PTX: tl.constexpr):
+    # acc ([LANES, 4], the D fragment) += half a scale block of both weight rows against x:
+    # wl, wh their packed words, tl_* / th_* their tables, x0 - x3 x's 16 pairs.
+    if PTX:
+        asm: tl.constexpr = _MMA_HALF_BF16 if dt == tl.bfloat16 else _MMA_HALF_F16
+        acc = tl.inline_asm_elementwise(
+            asm, _MMA_HALF_CONSTRAINTS,
+            [wl, wh, tl_lo, th_lo, tl_hi, th_hi, x0, x1, x2, x3, acc],
+            dtype=tl.float32, is_pure=True, pack=4)
+    else:
+        # x_q's column r is pair 4q + r: [L, r, q % 2, q // 2] -> [L, 16] in pair order.
+        xs = tl.join(tl.join(x0, x1), tl.join(x2, x3))
+        xs = tl.reshape(tl.permute(xs, (0, 3, 2, 1)), (x0.shape[0], 16))
+        if dt == tl.bfloat16:
+            xe = (xs << 16).to(tl.float32, bitcast=True)
+            xo = (xs & 0xFFFF0000).to(tl.float32, bitcast=True)
+        else:
+            xe = (xs & 0xFFFF).to(tl.uint16).to(dt, bitcast=True).to(tl.float32)
+            xo = (xs >> 16).to(tl.uint16).to(dt, bitcast=True).to(tl.float32)
+        xv = tl.reshape(tl.join(xe, xo), (x0.shape[0], 32))
+        d_lo = _mma_lane_sum(_mma_values(wl, tl_lo, th_lo, dt), xv, WARPS)
+        d_hi = _mma_lane_sum(_mma_values(wh, tl_hi, th_hi, dt), xv, WARPS)
+        acc += tl.reshape(tl.permute(tl.join(d_lo, d_hi), (0, 2, 1)), (x0.shape[0], 4))
+    return acc
+
+
+@triton.jit
+def _mma_table(code_ptr, scale, dt: tl.constexpr, EXACT_BF16: tl.constexpr, PTX: tl.constexpr):
+    # A lane's table of block scale ``scale`` ([LANES]): [LANES, 4] low and high planes,
+    # word q in column q (entries 4q .. 4q + 3), the layout ``_nibble_lookup_ptx`` indexes.
+    q4 = 4 * tl.arange(0, 4)[None, :]
+    v0 = tl.load(code_ptr + q4) * scale[:, None]
+    v1 = tl.load(code_ptr + q4 + 1) * scale[:, None]
+    v2 = tl.load(code_ptr + q4 + 2) * scale[:, None]
+    v3 = tl.load(code_ptr + q4 + 3) * scale[:, None]
+    if PTX:
+        asm: tl.constexpr = _TABLE_PTX_BF16 if dt == tl.bfloat16 else _TABLE_PTX_F16
+        lo, hi = tl.inline_asm_elementwise(asm, "=r,=r,f,f,f,f", [v0, v1, v2, v3],
+                                           dtype=(tl.uint32, tl.uint32), is_pure=True, pack=1)
+    else:
+        b0 = _round_to(v0, dt, EXACT_BF16).to(tl.uint16, bitcast=True).to(tl.uint32)
+        b1 = _round_to(v1, dt, EXACT_BF16).to(tl.uint16, bitcast=True).to(tl.uint32)
+        b2 = _round_to(v2, dt, EXACT_BF16).to(tl.uint16, bitcast=True).to(tl.uint32)
+        b3 = _round_to(v3, dt, EXACT_BF16).to(tl.uint16, bitcast=True).to(tl.uint32)
+        lo = (b0 & 0xFF) | ((b1 & 0xFF) << 8) | ((b2 & 0xFF) << 16) | ((b3 & 0xFF) << 24)
+        hi = (b0 >> 8) | ((b1 >> 8) << 8) | ((b2 >> 8) << 16) | ((b3 >> 8) << 24)
+    return lo, hi
+
+
+@triton.jit
+def _mma_scale(s_ptr, n2_ptr, nc_ptr, wr, start, base, offset, jb,
+               K: tl.constexpr, NESTED: tl.constexpr, EXACT_MUL: tl.constexpr):
+    # float32 scales of blocks jb of weight rows wr (both [LANES]; blocks of 64).
+    kb: tl.constexpr = K // 64
+    w64 = wr.to(tl.int64)
+    if NESTED:
+        u = tl.load(s_ptr + w64 * kb + jb).to(tl.int32)
+        group = base.to(tl.int64) + ((wr - start).to(tl.int64) * kb + jb) // 256
+        scale = _mul_rn(tl.load(nc_ptr + u), tl.load(n2_ptr + group), EXACT_MUL) + offset
+    else:
+        scale = tl.load(s_ptr + w64 * kb + jb).to(tl.float32)
+    return scale
+
+
+@triton.jit
+def _mma_rows(acc, x32, w_ptr, s_ptr, code_ptr, n2_ptr, nc_ptr, r_lo, r_hi,
+              st_lo, ba_lo, of_lo, st_hi, ba_hi, of_hi, jb, dt: tl.constexpr,
+              K: tl.constexpr, NESTED: tl.constexpr, WARPS: tl.constexpr,
+              EXACT_BF16: tl.constexpr, EXACT_MUL: tl.constexpr, PTX: tl.constexpr):
+    # acc ([LANES, 4]) += block jb ([LANES]) of the lane's weight rows r_lo and r_hi against
+    # the same block of its x row (x32: [LANES] pointers to the row's 32-bit pairs).
+    four = tl.arange(0, 4)[None, :]
+    w32 = w_ptr.to(tl.pointer_type(tl.uint32))
+    p_lo = w32 + (r_lo.to(tl.int64) * (K // 8) + jb * 8)[:, None] + four
+    p_hi = w32 + (r_hi.to(tl.int64) * (K // 8) + jb * 8)[:, None] + four
+    wl0 = tl.load(p_lo)
+    wl1 = tl.load(p_lo + 4)
+    wh0 = tl.load(p_hi)
+    wh1 = tl.load(p_hi + 4)
+    px = x32[:, None] + (jb * 32)[:, None] + four
+    x0 = tl.load(px)
+    x1 = tl.load(px + 4)
+    x2 = tl.load(px + 8)
+    x3 = tl.load(px + 12)
+    x4 = tl.load(px + 16)
+    x5 = tl.load(px + 20)
+    x6 = tl.load(px + 24)
+    x7 = tl.load(px + 28)
+    s_lo = _mma_scale(s_ptr, n2_ptr, nc_ptr, r_lo, st_lo, ba_lo, of_lo, jb, K, NESTED, EXACT_MUL)
+    s_hi = _mma_scale(s_ptr, n2_ptr, nc_ptr, r_hi, st_hi, ba_hi, of_hi, jb, K, NESTED, EXACT_MUL)
+    tl_lo, th_lo = _mma_table(code_ptr, s_lo, dt, EXACT_BF16, PTX)
+    tl_hi, th_hi = _mma_table(code_ptr, s_hi, dt, EXACT_BF16, PTX)
+    acc = _mma_half(acc, wl0, wh0, tl_lo, th_lo, tl_hi, th_hi, x0, x1, x2, x3, dt, WARPS, PTX)
+    acc = _mma_half(acc, wl1, wh1, tl_lo, th_lo, tl_hi, th_hi, x4, x5, x6, x7, dt, WARPS, PTX)
+    return acc
+
+
+@triton.jit
+def _nf4_mma_kernel(x_ptr, w_ptr, s_ptr, code_ptr, n2_ptr, nc_ptr, sh_ptr, off_ptr, y_ptr, p_ptr,
+                    M, N, x_stride, y_stride,
+                    K: tl.constexpr, NESTED: tl.constexpr, NUM_SHARDS: tl.constexpr,
+                    WARPS: tl.constexpr, SPLIT_K: tl.constexpr, EXACT_BF16: tl.constexpr,
+                    EXACT_MUL: tl.constexpr, SILU_MUL: tl.constexpr, PTX: tl.constexpr):
+    # Program (m, n, s): x rows 8m .. 8m + 7 (rows past M read row M - 1, their sums are
+    # dropped) against weight rows 16 WARPS n .. (rows past N read the last one), scale
+    # blocks [s KB / SPLIT_K, (s + 1) KB / SPLIT_K) four at a time (blocks of 64). Output,
+    # K split and partial sums as ``_nf4_gemm_kernel``.
+    LANES: tl.constexpr = 32 * WARPS
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    pid_k = tl.program_id(2)
+    dt = x_ptr.dtype.element_ty
+    lane = tl.arange(0, LANES)
+    g = (lane % 32) // 4
+    t = lane % 4
+    rows = pid_n * (16 * WARPS) + (lane // 32) * 16 + g  # fragment row g; row g + 8 is rows + 8
+    r_lo = tl.minimum(rows, N - 1)
+    r_hi = tl.minimum(rows + 8, N - 1)
+    st_lo = tl.zeros_like(rows)
+    ba_lo = st_lo
+    of_lo = tl.zeros((LANES,), dtype=tl.float32)
+    st_hi, ba_hi, of_hi = st_lo, ba_lo, of_lo
+    su_lo, bu_lo, ou_lo = st_lo, ba_lo, of_lo
+    su_hi, bu_hi, ou_hi = st_lo, ba_lo, of_lo
+    if NESTED:
+        st_lo, ba_lo, of_lo = _shard_of(sh_ptr, off_ptr, r_lo, NUM_SHARDS)
+        st_hi, ba_hi, of_hi = _shard_of(sh_ptr, off_ptr, r_hi, NUM_SHARDS)
+        if SILU_MUL:
+            su_lo, bu_lo, ou_lo = _shard_of(sh_ptr, off_ptr, r_lo + N, NUM_SHARDS)
+            su_hi, bu_hi, ou_hi = _shard_of(sh_ptr, off_ptr, r_hi + N, NUM_SHARDS)
+    x32 = x_ptr.to(tl.pointer_type(tl.uint32)) + (
+        tl.minimum(pid_m * 8 + g, M - 1).to(tl.int64) * (x_stride // 2))
+    acc = tl.zeros((LANES, 4), dtype=tl.float32)
+    acc_u = acc
+    per_split: tl.constexpr = K // 64 // SPLIT_K
+    j0 = pid_k * per_split
+    for jj in range(0, per_split, 4):
+        jb = j0 + jj + t
+        acc = _mma_rows(acc, x32, w_ptr, s_ptr, code_ptr, n2_ptr, nc_ptr, r_lo, r_hi,
+                        st_lo, ba_lo, of_lo, st_hi, ba_hi, of_hi, jb, dt, K, NESTED, WARPS,
+                        EXACT_BF16, EXACT_MUL, PTX)
+        if SILU_MUL:
+            acc_u = _mma_rows(acc_u, x32, w_ptr, s_ptr, code_ptr, n2_ptr, nc_ptr, r_lo + N,
+                              r_hi + N, su_lo, bu_lo, ou_lo, su_hi, bu_hi, ou_hi, jb, dt, K,
+                              NESTED, WARPS, EXACT_BF16, EXACT_MUL, PTX)
+    # Column c of lane (g, t): weight row rows + 8 (c // 2), x row 8m + 2t + c % 2.
+    c = tl.arange(0, 4)[None, :]
+    out_rows = rows[:, None] + 8 * (c // 2)
+    out_x = pid_m * 8 + 2 * t[:, None] + c % 2
+    mask = (out_rows < N) & (out_x < M)
+    if SPLIT_K == 1:
+        y = _epilogue(acc, acc_u, dt, y_ptr.dtype.element_ty, SILU_MUL)
+        tl.store(y_ptr + out_x.to(tl.int64) * y_stride + out_rows, y, mask=mask)
+    else:
+        width = 2 * N if SILU_MUL else N
+        p_ptrs = p_ptr + (pid_k * M + out_x.to(tl.int64)) * width + out_rows
+        tl.store(p_ptrs, acc, mask=mask)
+        if SILU_MUL:
+            tl.store(p_ptrs + N, acc_u, mask=mask)
+
+
 @triton.jit
 def _split_reduce_kernel(p_ptr, y_ptr, M, N, y_stride, SPLIT_K: tl.constexpr,
                          SILU_MUL: tl.constexpr, BLOCK: tl.constexpr, DT: tl.constexpr):
@@ -772,6 +1010,10 @@ class Nf4Config:
     table: bool = False  # the tensor-core kernel on per-block lookup tables (16-bit inputs)
     pairs: bool = False  # the CUDA-core kernel on the same tables (16-bit inputs, 1-4 rows)
     prefetch: bool = False  # pairs: the next block's reads issued before this block's work
+    # The same lookups into inline m16n8k16 tensor-core products (16-bit inputs, blocks of
+    # 64): block_m 8, blocks_per_iter 4 (one a thread of each lane group), block_n 16 weight
+    # rows a warp.
+    mma: bool = False
 
     def fits(self, k: int, blocksize: int) -> bool:
         """Whether K (in blocks of ``blocksize``) divides into this config's loop."""
@@ -780,7 +1022,7 @@ class Nf4Config:
     def serves(self, m: int) -> bool:
         """Whether a launch of ``m`` rows may use this config: the CUDA-core kernel holds at
         most ``MAX_ROWS`` rows a tile, the table kernel any number."""
-        return self.table or self.pairs or self.block_m <= MAX_ROWS
+        return self.table or self.pairs or self.mma or self.block_m <= MAX_ROWS
 
 
 MAX_ROWS = 8  # the GEMM's row tile holds BLOCK_M x BLOCK_N x blocksize / 2 float32 sums
@@ -966,6 +1208,8 @@ def _launch(
         _launch_table(x, qw, cfg, grid, y, partial, n, silu_mul)
     elif cfg.pairs:
         _launch_pairs(x, qw, cfg, grid, y, partial, n, silu_mul)
+    elif cfg.mma:
+        _launch_mma(x, qw, cfg, grid, y, partial, n, silu_mul)
     else:
         _nf4_gemm_kernel[grid](
             x, *_pointers(qw), y, partial,
@@ -1033,6 +1277,36 @@ def _launch_pairs(
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCKS_PER_ITER=cfg.blocks_per_iter,
         SPLIT_K=cfg.split_k, EXACT_BF16=_INTERPRETED, EXACT_MUL=not _INTERPRETED,
         SILU_MUL=silu_mul, PTX=not _INTERPRETED, PREFETCH=cfg.prefetch,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )  # fmt: skip
+
+
+def _launch_mma(
+    x: torch.Tensor,
+    qw: QuantizedWeight,
+    cfg: Nf4Config,
+    grid: tuple[int, int, int],
+    y: torch.Tensor,
+    partial: torch.Tensor,
+    n: int,
+    silu_mul: bool,
+) -> None:
+    if x.dtype not in (torch.bfloat16, torch.float16):
+        raise ValueError(f"{cfg}: the mma kernel takes 16-bit inputs, not {x.dtype}")
+    if qw.blocksize != 64:
+        raise ValueError(f"{cfg}: the mma kernel runs blocks of 64, not {qw.blocksize}")
+    if cfg.block_m != 8 or cfg.blocks_per_iter != 4 or cfg.block_n != 16 * cfg.num_warps:
+        raise ValueError(
+            f"{cfg}: the mma kernel runs 8 rows and 4 blocks an iteration on 16 weight rows a warp"
+        )
+    if x.stride(0) % 2 or x.data_ptr() % 4:
+        raise ValueError("the mma kernel reads x in 32-bit pairs: rows must start 4-aligned")
+    _nf4_mma_kernel[grid](
+        x, *_pointers(qw), y, partial,
+        x.shape[0], n, x.stride(0), y.stride(0),
+        K=qw.shape[1], NESTED=qw.nested, NUM_SHARDS=_num_shards(qw), WARPS=cfg.num_warps,
+        SPLIT_K=cfg.split_k, EXACT_BF16=_INTERPRETED, EXACT_MUL=not _INTERPRETED,
+        SILU_MUL=silu_mul, PTX=not _INTERPRETED,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )  # fmt: skip
 
