@@ -192,8 +192,8 @@ BUCKETS = (1, 4, 24)
 
 
 def test_kernel_tables_and_their_results() -> None:
-    """16-bit layers run the 4-bit GEMM (untuned shapes: the pair kernel at one row, the table
-    kernel above) at every decode bucket, and any other row count dequantizes into the shared
+    """16-bit layers run the 4-bit GEMM (untuned shapes: the mma kernel up to 8 rows, the
+    table kernel above) at every decode bucket, and any other row count dequantizes into the shared
     scratch and runs F.linear (bitwise the torch path); biased layers (the vision tower's, the
     projector: they see prefill-sized inputs only) take the scratch path everywhere; float32
     layers the CUDA-core GEMM up to 4 rows; torch targets the torch path. gate|up gets the
@@ -275,20 +275,25 @@ def test_table_pair_and_mma_kernels_refuse_what_they_cannot_run() -> None:
 
 
 def test_heuristic_configs() -> None:
-    """Untuned shapes: 16-bit inputs get the pair kernel at one row (512 weight rows a
-    program, the K split up to 128 programs where it divides K) and the table kernel at
-    every other decode size (tiles that divide K, the split larger where column tiles are
-    few); float32 the CUDA-core kernel up to 4 rows, the scratch path above."""
-    for m in (1, 4, 16, 17, 64, 256):
+    """Untuned shapes: 16-bit inputs in blocks of 64 get the mma kernel up to 8 rows (64
+    weight rows a program, the K split up to 384 programs where it divides K), other blocks
+    the pair kernel at one row (512 weight rows a program, the split up to 128 programs),
+    and the table kernel at every other decode size (tiles that divide K, the split larger
+    where column tiles are few); float32 the CUDA-core kernel up to 4 rows, the scratch path
+    above."""
+    for m in (1, 4, 8, 16, 17, 64, 256):
         for n, k, bs in ((6144, 4096, 64), (4096, 14336, 64), (4096, 4096, 64), (96, 384, 128)):
             cfg = nf4_gemm.heuristic_config(m, n, k, bs)
             assert cfg is not None and cfg.fits(k, bs) and cfg.serves(m)
-            if m == 1:
+            if m <= 8 and bs == 64:
+                assert cfg.mma and (cfg.block_m, cfg.block_n, cfg.blocks_per_iter) == (8, 64, 4)
+            elif m == 1:
                 assert cfg.pairs and cfg.block_m == 1 and cfg.block_n == 512
             else:
                 assert cfg.table and cfg.block_m == (16 if m <= 16 else 64)
-    assert nf4_gemm.heuristic_config(1, 4096, 4096).split_k == 16  # 8 column tiles
-    assert nf4_gemm.heuristic_config(1, 28672, 4096).split_k == 4  # 56
+    assert nf4_gemm.heuristic_config(1, 4096, 4096).split_k == 8  # 64 column tiles
+    assert nf4_gemm.heuristic_config(8, 6144, 4096).split_k == 4  # 96
+    assert nf4_gemm.heuristic_config(1, 28672, 4096).split_k == 1  # 448
     assert nf4_gemm.heuristic_config(1, 96, 384, 128).split_k == 1  # 3 blocks: no split fits
     assert nf4_gemm.heuristic_config(4, 4096, 4096).split_k == 8
     assert nf4_gemm.heuristic_config(4, 6144, 4096).split_k == 4

@@ -1032,16 +1032,24 @@ def heuristic_config(
     m: int, n: int, k: int, blocksize: int = 64, dtype: torch.dtype = torch.bfloat16
 ) -> Nf4Config | None:
     """The launch shape for ``m`` rows without a tuned entry, or None: dequantize into the
-    scratch matrix and run the library GEMM. 16-bit inputs: one row takes the pair kernel
-    (512 weight rows a program, 8 warps, K split until there are 128 programs, up to 16),
-    as the H100 sweep of the 11B shapes chose it at one row; more rows the table kernel, as
+    scratch matrix and run the library GEMM. 16-bit inputs: up to 8 rows in blocks of 64 take
+    the mma kernel (64 weight rows a program, K split until there are 384 programs, up to 8),
+    as the H100 sweep of the 11B shapes chose it at 1, 4 and 8 rows; one row in other blocks
+    the pair kernel (512 weight rows a program, 8 warps, K split until there are 128
+    programs, up to 16); more rows the table kernel, as
     the H200 and H100 sweeps chose it (``benchmarks/RESULTS.md``): 16-row tiles of two scale
     blocks a step up to 16 rows, 64-row tiles of one above, 64 weight rows a tile, K split in
     eight where the column tiles are few (64 and under), else in four. float32 inputs take
     the CUDA-core kernel up to 4 rows."""
     blocks = k // blocksize
     if dtype in (torch.bfloat16, torch.float16):
-        if m == 1:
+        if m <= 8 and blocksize == 64:
+            tiles = -(-n // 64)
+            split = 1
+            while tiles * split < 384 and split < 8:
+                split *= 2
+            cfg = Nf4Config(8, 64, 4, split, num_warps=4, mma=True)
+        elif m == 1:
             tiles = -(-n // 512)
             split = 1
             while tiles * split < 128 and split < 16:
