@@ -32,11 +32,11 @@ python3 - "$OUT/nf4_rows1.json" <<'PY'
 import json, sys
 rep = json.load(open(sys.argv[1]))
 print(f"read {rep['read_gb_s']:.0f} GB/s; us (% read) at one row")
-print("shape     M  bf16          pairs          prefetch       mma            table          bnb")
+print("shape     M  bf16          pairs          mma            table          bnb")
 nan = {"us": float("nan"), "pct_read": float("nan")}
 for r in rep["nf4"]:
-    cells = [r["bf16"], r.get("nf4_best_pairs", nan), r.get("nf4_best_prefetch", nan),
-             r.get("nf4_best_mma", nan), r.get("nf4_best_table", nan),
+    cells = [r["bf16"], r.get("nf4_best_pairs", nan), r.get("nf4_best_mma", nan),
+             r.get("nf4_best_table", nan),
              r.get("bnb_matmul_4bit", nan)]
     print(f"{r['shape']:8s} {r['m']:2d} " + "  ".join(f"{c['us']:6.1f} ({c['pct_read']:4.1f})" for c in cells))
 PY

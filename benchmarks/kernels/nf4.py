@@ -87,16 +87,8 @@ def sweep(m: int, k: int, blocksize: int = 64) -> list[Nf4Config]:
     cands = []
     if m <= 4:
         bm = 1 << (m - 1).bit_length()
-        grid = itertools.product(
-            [(256, 4), (512, 8)],
-            [1, 2],
-            [1, 2, 4, 8, 16],
-            [False, True] if blocksize == 64 else [False],
-        )
-        cands += [
-            Nf4Config(bm, bn, it, sp, num_warps=w, pairs=True, prefetch=pf)
-            for (bn, w), it, sp, pf in grid
-        ]
+        grid = itertools.product([(256, 4), (512, 8)], [1, 2], [1, 2, 4, 8, 16])
+        cands += [Nf4Config(bm, bn, it, sp, num_warps=w, pairs=True) for (bn, w), it, sp in grid]
     if m <= 16 and blocksize == 64:
         grid = itertools.product([2, 4, 8], [1, 2, 4, 8, 16])
         cands += [Nf4Config(8, 16 * w, 4, sp, num_warps=w, mma=True) for w, sp in grid]
@@ -236,8 +228,7 @@ def bench_row(x: torch.Tensor, c: Copies, silu: bool, do_sweep: bool, bw: dict) 
         us, best = min(timed, key=lambda t: t[0])
         row["nf4_best"] = {**entry(us), "config": str(best), "swept": len(timed)}
         kinds = {  # each kernel's own best, for the record
-            "pairs": lambda c: c.pairs and not c.prefetch,
-            "prefetch": lambda c: c.pairs and c.prefetch,
+            "pairs": lambda c: c.pairs,
             "table": lambda c: c.table,
             "mma": lambda c: c.mma,
         }

@@ -166,7 +166,6 @@ def nf4_loop(
     num_warps: int = 4,
     num_stages: int = 3,
     pairs: bool = False,
-    prefetch: bool = False,
     mma: bool = False,
     layouts: list[str] | None = None,
 ) -> tuple[LoopMix, int]:
@@ -191,7 +190,6 @@ def nf4_loop(
         block_n, blocks_per_iter = 16 * num_warps, 4
     elif pairs:
         fn = nf4_gemm._nf4_pair_kernel
-        consts["PREFETCH"] = prefetch
     else:
         fn = nf4_gemm._nf4_table_kernel
         consts["DOT_F32"] = False
@@ -208,7 +206,6 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> None:
     ap.add_argument("--config", default=None, help="four integers, comma-separated")
     ap.add_argument("--swap", action="store_true", help="fp8: the swapped kernel")
     ap.add_argument("--pairs", action="store_true", help="nf4: the pair kernel")
-    ap.add_argument("--prefetch", action="store_true", help="nf4 --pairs: prefetching")
     ap.add_argument("--mma", action="store_true", help="nf4: the mma kernel (--warps, split)")
     ap.add_argument("--silu", action="store_true", help="gate|up with the SiLU epilogue")
     ap.add_argument("--warps", type=int, default=4)
@@ -234,7 +231,6 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> None:
             args.warps,
             args.stages,
             args.pairs,
-            args.prefetch,
             args.mma,
             layouts,
         )

@@ -110,7 +110,6 @@ PAIR_CASES = [
     (1, Nf4Config(1, 256, pairs=True)),  # weight rows past N (176) clamped
     (3, Nf4Config(2, 128, blocks_per_iter=2, split_k=2, pairs=True)),  # x rows past M clamped
     (21, Nf4Config(4, 128, split_k=2, pairs=True)),
-    (2, Nf4Config(2, 128, split_k=2, pairs=True, prefetch=True)),  # the next block read ahead
     # The tensor-core mma kernel: 8 x rows a program (past M clamped), 16 weight rows a warp.
     (3, Nf4Config(8, 64, 4, mma=True)),
     (17, Nf4Config(8, 128, 4, num_warps=8, mma=True)),  # three row programs, 48 rows past N
@@ -159,7 +158,6 @@ def test_fp16_gemm_and_float32_out() -> None:
         (3, Nf4Config(16, 64, blocks_per_iter=2, split_k=2, table=True)),
         (1, Nf4Config(1, 128, pairs=True)),
         (3, Nf4Config(4, 128, blocks_per_iter=2, split_k=2, pairs=True)),
-        (1, Nf4Config(1, 128, pairs=True, prefetch=True)),
         (3, Nf4Config(8, 64, 4, mma=True)),
     ],
 )

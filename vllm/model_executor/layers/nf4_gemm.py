@@ -661,7 +661,7 @@ def _nf4_pair_kernel(x_ptr, w_ptr, s_ptr, code_ptr, n2_ptr, nc_ptr, sh_ptr, off_
                      NUM_SHARDS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                      BLOCKS_PER_ITER: tl.constexpr, SPLIT_K: tl.constexpr,
                      EXACT_BF16: tl.constexpr, EXACT_MUL: tl.constexpr, SILU_MUL: tl.constexpr,
-                     PTX: tl.constexpr, PREFETCH: tl.constexpr):
+                     PTX: tl.constexpr):
     # The CUDA-core GEMM on table lookups (``_pair_block``) for 1, 2 or 4 rows: every
     # operand is loaded in the layout it is used in, so nothing moves between threads in the
     # K loop. Grid, K split and partial sums as ``_nf4_gemm_kernel``.
@@ -685,40 +685,21 @@ def _nf4_pair_kernel(x_ptr, w_ptr, s_ptr, code_ptr, n2_ptr, nc_ptr, sh_ptr, off_
     u3 = a0
     per_split: tl.constexpr = K // BLOCKSIZE // SPLIT_K
     j0 = pid_k * per_split
-    last = j0 + per_split - 1
-    # With PREFETCH the reads of the next block are issued before this block's lookups (the
-    # last iteration reads its own block again), so they are in flight during the work.
-    c, sec, wa, wb = _pair_fetch(w_ptr, s_ptr, n2_ptr, nc_ptr, wcols, start, base, j0, K,
-                                 BLOCKSIZE, NESTED)
-    cu, secu, wau, wbu = c, sec, wa, wb  # up's (SILU_MUL: weight rows N + wcols)
-    if SILU_MUL:
-        cu, secu, wau, wbu = _pair_fetch(w_ptr, s_ptr, n2_ptr, nc_ptr, wcols + N, start_u,
-                                         base_u, j0, K, BLOCKSIZE, NESTED)
     for jj in range(0, per_split, BLOCKS_PER_ITER):
         for r in tl.static_range(BLOCKS_PER_ITER):
             j = j0 + jj + r
-            if PREFETCH:
-                jn = tl.minimum(j + 1, last)
-            else:
-                jn = j
-            nc, nsec, nwa, nwb = _pair_fetch(w_ptr, s_ptr, n2_ptr, nc_ptr, wcols, start, base, jn,
-                                             K, BLOCKSIZE, NESTED)
-            if not PREFETCH:
-                c, sec, wa, wb = nc, nsec, nwa, nwb
+            c, sec, wa, wb = _pair_fetch(w_ptr, s_ptr, n2_ptr, nc_ptr, wcols, start, base, j, K,
+                                         BLOCKSIZE, NESTED)
             a0, a1, a2, a3 = _pair_block(a0, a1, a2, a3, x_ptr, r0, r1, r2, r3, w_ptr, code_ptr,
                                          wcols, offset, j, c, sec, wa, wb, K, BLOCKSIZE, NESTED,
                                          BLOCK_M, EXACT_BF16, EXACT_MUL, PTX)
-            c, sec, wa, wb = nc, nsec, nwa, nwb
             if SILU_MUL:
-                nc, nsec, nwa, nwb = _pair_fetch(w_ptr, s_ptr, n2_ptr, nc_ptr, wcols + N, start_u,
-                                                 base_u, jn, K, BLOCKSIZE, NESTED)
-                if not PREFETCH:
-                    cu, secu, wau, wbu = nc, nsec, nwa, nwb
+                c, sec, wa, wb = _pair_fetch(w_ptr, s_ptr, n2_ptr, nc_ptr, wcols + N, start_u,
+                                             base_u, j, K, BLOCKSIZE, NESTED)
                 u0, u1, u2, u3 = _pair_block(u0, u1, u2, u3, x_ptr, r0, r1, r2, r3, w_ptr,
-                                             code_ptr, wcols + N, offset_u, j, cu, secu, wau,
-                                             wbu, K, BLOCKSIZE, NESTED, BLOCK_M, EXACT_BF16,
+                                             code_ptr, wcols + N, offset_u, j, c, sec, wa, wb,
+                                             K, BLOCKSIZE, NESTED, BLOCK_M, EXACT_BF16,
                                              EXACT_MUL, PTX)
-                cu, secu, wau, wbu = nc, nsec, nwa, nwb
     _store_output(_pair_sums(a0, a1, a2, a3, BLOCK_M), _pair_sums(u0, u1, u2, u3, BLOCK_M),
                   y_ptr, p_ptr, rows, cols, row_ok, col_ok, M, N, y_stride, pid_k, dt, SPLIT_K,
                   SILU_MUL)
@@ -1009,7 +990,6 @@ class Nf4Config:
     num_stages: int = 3
     table: bool = False  # the tensor-core kernel on per-block lookup tables (16-bit inputs)
     pairs: bool = False  # the CUDA-core kernel on the same tables (16-bit inputs, 1-4 rows)
-    prefetch: bool = False  # pairs: the next block's reads issued before this block's work
     # The same lookups into inline m16n8k16 tensor-core products (16-bit inputs, blocks of
     # 64): block_m 8, blocks_per_iter 4 (one a thread of each lane group), block_n 16 weight
     # rows a warp.
@@ -1284,7 +1264,7 @@ def _launch_pairs(
         K=qw.shape[1], BLOCKSIZE=qw.blocksize, NESTED=qw.nested, NUM_SHARDS=_num_shards(qw),
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCKS_PER_ITER=cfg.blocks_per_iter,
         SPLIT_K=cfg.split_k, EXACT_BF16=_INTERPRETED, EXACT_MUL=not _INTERPRETED,
-        SILU_MUL=silu_mul, PTX=not _INTERPRETED, PREFETCH=cfg.prefetch,
+        SILU_MUL=silu_mul, PTX=not _INTERPRETED,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )  # fmt: skip
 
