@@ -79,7 +79,7 @@ SWEEP_MAX_ROWS = 256  # larger row counts are prefill: the scratch path and cuBL
 
 def sweep(m: int, k: int, blocksize: int = 64) -> list[Nf4Config]:
     """The candidate configs for ``m`` rows (those whose loop divides K): the CUDA-core pair
-    kernel up to 4 rows, the mma kernel up to 16 (blocks of 64), the tensor-core table kernel
+    kernel up to 4 rows, the mma kernel up to 64 (blocks of 64), the tensor-core table kernel
     at every decode size (a narrower grid where the pair kernel runs too); none for prefill
     sizes."""
     if m > SWEEP_MAX_ROWS:
@@ -89,9 +89,10 @@ def sweep(m: int, k: int, blocksize: int = 64) -> list[Nf4Config]:
         bm = 1 << (m - 1).bit_length()
         grid = itertools.product([(256, 4), (512, 8)], [1, 2], [1, 2, 4, 8, 16])
         cands += [Nf4Config(bm, bn, it, sp, num_warps=w, pairs=True) for (bn, w), it, sp in grid]
-    if m <= 16 and blocksize == 64:
+    if m <= 64 and blocksize == 64:  # 8 x rows a program up to 8, 16 above
         grid = itertools.product([2, 4, 8], [1, 2, 4, 8, 16])
-        cands += [Nf4Config(8, 16 * w, 4, sp, num_warps=w, mma=True) for w, sp in grid]
+        bm = 8 if m <= 8 else 16
+        cands += [Nf4Config(bm, 16 * w, 4, sp, num_warps=w, mma=True) for w, sp in grid]
     bm = 16 if m <= 16 else (32 if m <= 32 else 64)
     table_grid = itertools.product(
         [64] if m <= 4 else [32, 64, 128],

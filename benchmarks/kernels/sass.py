@@ -11,9 +11,9 @@ compiled as 16-byte aligned, as Triton specializes them at run time.
 
 fp8 ``--config``: block_m, block_n, block_k, split_k (``Fp8Config``); nf4: block_m, block_n,
 blocks_per_iter, split_k of the table kernel (``Nf4Config(table=True)``) or with ``--pairs``
-of the pair kernel (``Nf4Config(pairs=True)``), with ``--mma`` of the mma kernel (8 rows, 4
-blocks an iteration and 16 weight rows a warp whatever the config says: only its split and
-``--warps`` count), blocksize 64, nested scales. The K is the 11B hidden size (4096).
+of the pair kernel (``Nf4Config(pairs=True)``), with ``--mma`` of the mma kernel (8 rows, or
+16 where the config says more than 8, 4 blocks an iteration and 16 weight rows a warp whatever
+the config says), blocksize 64, nested scales. The K is the 11B hidden size (4096).
 """
 
 from __future__ import annotations
@@ -182,11 +182,11 @@ def nf4_loop(
     )
     consts.update(BLOCKS_PER_ITER=blocks_per_iter, SPLIT_K=split_k)
     consts.update(EXACT_BF16=False, EXACT_MUL=True, SILU_MUL=silu, PTX=True)
-    if mma:  # 8 rows, 4 blocks an iteration, 16 weight rows a warp: only the split counts
+    if mma:  # 8 or 16 rows, 4 blocks an iteration, 16 weight rows a warp
         fn = nf4_gemm._nf4_mma_kernel
         for name in ("BLOCKSIZE", "BLOCK_M", "BLOCK_N", "BLOCKS_PER_ITER"):
             del consts[name]
-        consts["WARPS"] = num_warps
+        consts.update(WARPS=num_warps, SETS=2 if block_m > 8 else 1)
         block_n, blocks_per_iter = 16 * num_warps, 4
     elif pairs:
         fn = nf4_gemm._nf4_pair_kernel

@@ -84,8 +84,12 @@ def test_nf4_pair_kernel_moves_nothing_between_threads(args) -> None:
 
 @pytest.mark.parametrize(
     "args",
-    [("--config", "8,64,4,4"), ("--config", "8,128,4,2", "--warps", "8", "--silu")],
-    ids=["4-warps", "8-warps-silu"],
+    [
+        ("--config", "8,64,4,4"),
+        ("--config", "8,128,4,2", "--warps", "8", "--silu"),
+        ("--config", "16,64,4,4", "--silu"),
+    ],
+    ids=["4-warps", "8-warps-silu", "16-rows-silu"],
 )
 def test_nf4_mma_kernel_hands_each_lane_its_fragments(args) -> None:
     """The NF4 mma kernel's inline m16n8k16 steps take a lane's four consecutive registers of

@@ -58,7 +58,8 @@ def test_dequantized_tile_is_bitwise_dequantize_4bit(shards, k, qt, bs, nested, 
 
 @pytest.mark.parametrize(("shards", "k", "qt", "bs", "nested", "dtype"), CASES)
 @pytest.mark.parametrize(
-    "kernel", ["split", "whole", "table", "table-split", "pairs", "pairs-split", "mma", "mma-split"]
+    "kernel",
+    ["split", "whole", "table", "table-split", "pairs", "pairs-split", "mma", "mma-split", "mma16"],
 )
 def test_gemm_tile_is_bitwise_dequantize_4bit(shards, k, qt, bs, nested, dtype, kernel) -> None:
     """The GEMM's own dequantized weights, seen through one-hot inputs (each output is then
@@ -80,7 +81,8 @@ def test_gemm_tile_is_bitwise_dequantize_4bit(shards, k, qt, bs, nested, dtype, 
             cfg = Nf4Config(16, 32, split_k=2, table=True)
     elif kernel.startswith("mma"):
         # 64 weight rows a program (rows past N clamped), 8 x rows (rows past M clamped).
-        cfg = Nf4Config(8, 64, 4, split_k=2 if kernel == "mma-split" else 1, mma=True)
+        split = 2 if kernel == "mma-split" else 1
+        cfg = Nf4Config(16 if kernel == "mma16" else 8, 64, 4, split_k=split, mma=True)
     elif kernel.startswith("pairs"):
         cfg = Nf4Config(4, 256, pairs=True)  # weight rows past N clamped
         if kernel == "pairs-split" and halved:
@@ -113,6 +115,7 @@ PAIR_CASES = [
     # The tensor-core mma kernel: 8 x rows a program (past M clamped), 16 weight rows a warp.
     (3, Nf4Config(8, 64, 4, mma=True)),
     (17, Nf4Config(8, 128, 4, num_warps=8, mma=True)),  # three row programs, 48 rows past N
+    (21, Nf4Config(16, 64, 4, mma=True)),  # two sets of 8 x rows a program, rows past M
 ]
 
 
@@ -159,6 +162,7 @@ def test_fp16_gemm_and_float32_out() -> None:
         (1, Nf4Config(1, 128, pairs=True)),
         (3, Nf4Config(4, 128, blocks_per_iter=2, split_k=2, pairs=True)),
         (3, Nf4Config(8, 64, 4, mma=True)),
+        (17, Nf4Config(16, 64, 4, mma=True)),
     ],
 )
 def test_silu_epilogue_equals_gemm_then_silu_and_mul(m: int, cfg: Nf4Config) -> None:
@@ -262,8 +266,10 @@ def test_table_pair_and_mma_kernels_refuse_what_they_cannot_run() -> None:
         nf4_gemm.nf4_gemm(x.float(), qw, Nf4Config(8, 64, 4, mma=True))
     with pytest.raises(ValueError, match="16 weight rows a warp"):
         nf4_gemm.nf4_gemm(x, qw, Nf4Config(8, 128, 4, mma=True))  # 4 warps hold 64 rows
-    with pytest.raises(ValueError, match="8 rows and 4 blocks"):
+    with pytest.raises(ValueError, match="8 or 16 rows and 4 blocks"):
         nf4_gemm.nf4_gemm(x, qw, Nf4Config(8, 64, 2, mma=True))
+    with pytest.raises(ValueError, match="8 or 16 rows and 4 blocks"):
+        nf4_gemm.nf4_gemm(x, qw, Nf4Config(32, 64, 4, mma=True))
     wide_blocks, _ = bnb_layer([64], 512, "nf4", 128, True)  # four blocks of 128
     with pytest.raises(ValueError, match="blocks of 64"):
         qw = wide_blocks.fmt.quantized_weight(wide_blocks)

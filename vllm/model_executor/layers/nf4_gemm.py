@@ -719,33 +719,41 @@ def _nf4_pair_kernel(x_ptr, w_ptr, s_ptr, code_ptr, n2_ptr, nc_ptr, sh_ptr, off_
 # x row 2t + c % 2.
 
 
-def _mma_half_ptx(ab: str) -> str:
+def _mma_half_ptx(ab: str, sets: int = 1) -> str:
     """The PTX of eight m16n8k16 steps over half a scale block (four packed words of each
-    of the lane's two weight rows, 32 values): operands $0-$3 the accumulators out, $4-$7
-    and $8-$11 the words of weight rows g and g + 8, $12-$19 and $20-$27 their tables (low
-    planes, then high), $28-$43 x's 16 pairs, $44-$47 the accumulators in."""
-    lo = tuple(f"${i}" for i in range(12, 20))
-    hi = tuple(f"${i}" for i in range(20, 28))
+    of the lane's two weight rows, 32 values) for ``sets`` sets of 8 x rows (each looked-up
+    A fragment meets every set's B fragment): operands first the accumulators out (four a
+    set), then the words of weight rows g and g + 8 (four each), their tables (low planes,
+    then high: eight each), x's 16 pairs of each set, the accumulators in."""
+    n = 4 * sets  # the accumulators' operands
+    words_lo, words_hi = n, n + 4
+    lo = tuple(f"${i}" for i in range(n + 8, n + 16))
+    hi = tuple(f"${i}" for i in range(n + 16, n + 24))
+    x0 = n + 24  # set s's pair m is $(x0 + 16 s + m)
+    acc_out = [", ".join(f"${4 * st + c}" for c in range(4)) for st in range(sets)]
+    acc_in = [", ".join(f"${x0 + 16 * sets + 4 * st + c}" for c in range(4)) for st in range(sets)]
     lines = [".reg .b32 p0, p1, p2, p3, r0, r1, r2, r3;"]
-    acc_in = "$44, $45, $46, $47"
     for i in range(4):
-        for table, out, word in ((lo, "p", 4 + i), (hi, "r", 8 + i)):
+        for table, out, word in ((lo, "p", words_lo + i), (hi, "r", words_hi + i)):
             # The word's four pairs (elements 2k, 2k + 1 of byte k) into out0 .. out3.
             pairs = [(f"{out}{k}", "0x4051" if k % 2 == 0 else "0x6273") for k in range(4)]
             lines.append(_nibble_lookup_ptx([(table, pairs[:2]), (table, pairs[2:])], f"${word}"))
-        x = [f"${28 + 4 * i + r}" for r in range(4)]
-        for a, b in ((("p0", "r0", "p1", "r1"), x[:2]), (("p2", "r2", "p3", "r3"), x[2:])):
-            lines.append(
-                f"mma.sync.aligned.m16n8k16.row.col.f32.{ab}.{ab}.f32 {{$0, $1, $2, $3}}, "
-                f"{{{', '.join(a)}}}, {{{', '.join(b)}}}, {{{acc_in}}};")
-            acc_in = "$0, $1, $2, $3"
+        for half, a in enumerate((("p0", "r0", "p1", "r1"), ("p2", "r2", "p3", "r3"))):
+            for st in range(sets):
+                b = [f"${x0 + 16 * st + 4 * i + 2 * half + r}" for r in range(2)]
+                lines.append(
+                    f"mma.sync.aligned.m16n8k16.row.col.f32.{ab}.{ab}.f32 {{{acc_out[st]}}}, "
+                    f"{{{', '.join(a)}}}, {{{', '.join(b)}}}, {{{acc_in[st]}}};")
+                acc_in[st] = acc_out[st]
     return "{\n" + "\n".join(lines) + "\n}"
 
 
 _MMA_HALF_BF16 = tl.constexpr(_mma_half_ptx("bf16"))
 _MMA_HALF_F16 = tl.constexpr(_mma_half_ptx("f16"))
-_MMA_HALF_CONSTRAINTS = tl.constexpr(
-    ",".join(["=f"] * 4 + ["r"] * 40 + ["f"] * 4))
+_MMA_HALF_CONSTRAINTS = tl.constexpr(",".join(["=f"] * 4 + ["r"] * 40 + ["f"] * 4))
+_MMA_HALF2_BF16 = tl.constexpr(_mma_half_ptx("bf16", 2))
+_MMA_HALF2_F16 = tl.constexpr(_mma_half_ptx("f16", 2))
+_MMA_HALF2_CONSTRAINTS = tl.constexpr(",".join(["=f"] * 8 + ["r"] * 56 + ["f"] * 8))
 
 
 @triton.jit
@@ -779,31 +787,53 @@ def _mma_lane_sum(w, xv, WARPS: tl.constexpr):
 
 
 @triton.jit
-def _mma_half(acc, wl, wh, tl_lo, th_lo, tl_hi, th_hi, x0, x1, x2, x3, dt: tl.constexpr,
-              WARPS: tl.constexpr, PTX: tl.constexpr):
-    # acc ([LANES, 4], the D fragment) += half a scale block of both weight rows against x:
-    # wl, wh their packed words, tl_* / th_* their tables, x0 - x3 x's 16 pairs.
-    if PTX:
-        asm: tl.constexpr = _MMA_HALF_BF16 if dt == tl.bfloat16 else _MMA_HALF_F16
-        acc = tl.inline_asm_elementwise(
-            asm, _MMA_HALF_CONSTRAINTS,
-            [wl, wh, tl_lo, th_lo, tl_hi, th_hi, x0, x1, x2, x3, acc],
-            dtype=tl.float32, is_pure=True, pack=4)
+def _mma_half_emulated(acc, wl, wh, tl_lo, th_lo, tl_hi, th_hi, x0, x1, x2, x3,
+                       dt: tl.constexpr, WARPS: tl.constexpr):
+    # The interpreter's form of half a block's products for one set of x rows: acc
+    # ([LANES, 4], the D fragment) += the lane's two weight rows' packed words wl, wh (tables
+    # tl_* / th_*) against x's 16 pairs x0 - x3, summed over the four threads of each lane
+    # group as the products do.
+    # x_q's column r is pair 4q + r: [L, r, q % 2, q // 2] -> [L, 16] in pair order.
+    xs = tl.join(tl.join(x0, x1), tl.join(x2, x3))
+    xs = tl.reshape(tl.permute(xs, (0, 3, 2, 1)), (x0.shape[0], 16))
+    if dt == tl.bfloat16:
+        xe = (xs << 16).to(tl.float32, bitcast=True)
+        xo = (xs & 0xFFFF0000).to(tl.float32, bitcast=True)
     else:
-        # x_q's column r is pair 4q + r: [L, r, q % 2, q // 2] -> [L, 16] in pair order.
-        xs = tl.join(tl.join(x0, x1), tl.join(x2, x3))
-        xs = tl.reshape(tl.permute(xs, (0, 3, 2, 1)), (x0.shape[0], 16))
-        if dt == tl.bfloat16:
-            xe = (xs << 16).to(tl.float32, bitcast=True)
-            xo = (xs & 0xFFFF0000).to(tl.float32, bitcast=True)
+        xe = (xs & 0xFFFF).to(tl.uint16).to(dt, bitcast=True).to(tl.float32)
+        xo = (xs >> 16).to(tl.uint16).to(dt, bitcast=True).to(tl.float32)
+    xv = tl.reshape(tl.join(xe, xo), (x0.shape[0], 32))
+    d_lo = _mma_lane_sum(_mma_values(wl, tl_lo, th_lo, dt), xv, WARPS)
+    d_hi = _mma_lane_sum(_mma_values(wh, tl_hi, th_hi, dt), xv, WARPS)
+    return acc + tl.reshape(tl.permute(tl.join(d_lo, d_hi), (0, 2, 1)), (x0.shape[0], 4))
+
+
+@triton.jit
+def _mma_half(acc, acc2, wl, wh, tl_lo, th_lo, tl_hi, th_hi, x0, x1, x2, x3, y0, y1, y2, y3,
+              dt: tl.constexpr, WARPS: tl.constexpr, SETS: tl.constexpr, PTX: tl.constexpr):
+    # acc ([LANES, 4], the D fragment) += half a scale block of both weight rows against x:
+    # wl, wh their packed words, tl_* / th_* their tables, x0 - x3 x's 16 pairs; with SETS 2
+    # also acc2 += the same against the second set's pairs y0 - y3.
+    if PTX:
+        if SETS == 1:
+            asm: tl.constexpr = _MMA_HALF_BF16 if dt == tl.bfloat16 else _MMA_HALF_F16
+            acc = tl.inline_asm_elementwise(
+                asm, _MMA_HALF_CONSTRAINTS,
+                [wl, wh, tl_lo, th_lo, tl_hi, th_hi, x0, x1, x2, x3, acc],
+                dtype=tl.float32, is_pure=True, pack=4)
         else:
-            xe = (xs & 0xFFFF).to(tl.uint16).to(dt, bitcast=True).to(tl.float32)
-            xo = (xs >> 16).to(tl.uint16).to(dt, bitcast=True).to(tl.float32)
-        xv = tl.reshape(tl.join(xe, xo), (x0.shape[0], 32))
-        d_lo = _mma_lane_sum(_mma_values(wl, tl_lo, th_lo, dt), xv, WARPS)
-        d_hi = _mma_lane_sum(_mma_values(wh, tl_hi, th_hi, dt), xv, WARPS)
-        acc += tl.reshape(tl.permute(tl.join(d_lo, d_hi), (0, 2, 1)), (x0.shape[0], 4))
-    return acc
+            asm2: tl.constexpr = _MMA_HALF2_BF16 if dt == tl.bfloat16 else _MMA_HALF2_F16
+            acc, acc2 = tl.inline_asm_elementwise(
+                asm2, _MMA_HALF2_CONSTRAINTS,
+                [wl, wh, tl_lo, th_lo, tl_hi, th_hi, x0, x1, x2, x3, y0, y1, y2, y3, acc, acc2],
+                dtype=(tl.float32, tl.float32), is_pure=True, pack=4)
+    else:
+        acc = _mma_half_emulated(acc, wl, wh, tl_lo, th_lo, tl_hi, th_hi, x0, x1, x2, x3, dt,
+                                 WARPS)
+        if SETS == 2:
+            acc2 = _mma_half_emulated(acc2, wl, wh, tl_lo, th_lo, tl_hi, th_hi, y0, y1, y2, y3,
+                                      dt, WARPS)
+    return acc, acc2
 
 
 @triton.jit
@@ -845,12 +875,19 @@ def _mma_scale(s_ptr, n2_ptr, nc_ptr, wr, start, base, offset, jb,
 
 
 @triton.jit
-def _mma_rows(acc, x32, w_ptr, s_ptr, code_ptr, n2_ptr, nc_ptr, r_lo, r_hi,
+def _mma_x(x32, jb, q: tl.constexpr):
+    # Pairs 4q .. 4q + 3 of block jb ([LANES]) of the lane's x row: [LANES, 4].
+    return tl.load(x32[:, None] + (jb * 32 + 4 * q)[:, None] + tl.arange(0, 4)[None, :])
+
+
+@triton.jit
+def _mma_rows(acc, acc2, x32, x32b, w_ptr, s_ptr, code_ptr, n2_ptr, nc_ptr, r_lo, r_hi,
               st_lo, ba_lo, of_lo, st_hi, ba_hi, of_hi, jb, dt: tl.constexpr,
-              K: tl.constexpr, NESTED: tl.constexpr, WARPS: tl.constexpr,
+              K: tl.constexpr, NESTED: tl.constexpr, WARPS: tl.constexpr, SETS: tl.constexpr,
               EXACT_BF16: tl.constexpr, EXACT_MUL: tl.constexpr, PTX: tl.constexpr):
     # acc ([LANES, 4]) += block jb ([LANES]) of the lane's weight rows r_lo and r_hi against
-    # the same block of its x row (x32: [LANES] pointers to the row's 32-bit pairs).
+    # the same block of its x row (x32: [LANES] pointers to the row's 32-bit pairs); with
+    # SETS 2, acc2 += the same against its row of the second set (x32b).
     four = tl.arange(0, 4)[None, :]
     w32 = w_ptr.to(tl.pointer_type(tl.uint32))
     p_lo = w32 + (r_lo.to(tl.int64) * (K // 8) + jb * 8)[:, None] + four
@@ -859,22 +896,53 @@ def _mma_rows(acc, x32, w_ptr, s_ptr, code_ptr, n2_ptr, nc_ptr, r_lo, r_hi,
     wl1 = tl.load(p_lo + 4)
     wh0 = tl.load(p_hi)
     wh1 = tl.load(p_hi + 4)
-    px = x32[:, None] + (jb * 32)[:, None] + four
-    x0 = tl.load(px)
-    x1 = tl.load(px + 4)
-    x2 = tl.load(px + 8)
-    x3 = tl.load(px + 12)
-    x4 = tl.load(px + 16)
-    x5 = tl.load(px + 20)
-    x6 = tl.load(px + 24)
-    x7 = tl.load(px + 28)
+    x0 = _mma_x(x32, jb, 0)
+    x1 = _mma_x(x32, jb, 1)
+    x2 = _mma_x(x32, jb, 2)
+    x3 = _mma_x(x32, jb, 3)
+    x4 = _mma_x(x32, jb, 4)
+    x5 = _mma_x(x32, jb, 5)
+    x6 = _mma_x(x32, jb, 6)
+    x7 = _mma_x(x32, jb, 7)
+    y0, y1, y2, y3, y4, y5, y6, y7 = x0, x1, x2, x3, x4, x5, x6, x7
+    if SETS == 2:
+        y0 = _mma_x(x32b, jb, 0)
+        y1 = _mma_x(x32b, jb, 1)
+        y2 = _mma_x(x32b, jb, 2)
+        y3 = _mma_x(x32b, jb, 3)
+        y4 = _mma_x(x32b, jb, 4)
+        y5 = _mma_x(x32b, jb, 5)
+        y6 = _mma_x(x32b, jb, 6)
+        y7 = _mma_x(x32b, jb, 7)
     s_lo = _mma_scale(s_ptr, n2_ptr, nc_ptr, r_lo, st_lo, ba_lo, of_lo, jb, K, NESTED, EXACT_MUL)
     s_hi = _mma_scale(s_ptr, n2_ptr, nc_ptr, r_hi, st_hi, ba_hi, of_hi, jb, K, NESTED, EXACT_MUL)
     tl_lo, th_lo = _mma_table(code_ptr, s_lo, dt, EXACT_BF16, PTX)
     tl_hi, th_hi = _mma_table(code_ptr, s_hi, dt, EXACT_BF16, PTX)
-    acc = _mma_half(acc, wl0, wh0, tl_lo, th_lo, tl_hi, th_hi, x0, x1, x2, x3, dt, WARPS, PTX)
-    acc = _mma_half(acc, wl1, wh1, tl_lo, th_lo, tl_hi, th_hi, x4, x5, x6, x7, dt, WARPS, PTX)
-    return acc
+    acc, acc2 = _mma_half(acc, acc2, wl0, wh0, tl_lo, th_lo, tl_hi, th_hi, x0, x1, x2, x3,
+                          y0, y1, y2, y3, dt, WARPS, SETS, PTX)
+    acc, acc2 = _mma_half(acc, acc2, wl1, wh1, tl_lo, th_lo, tl_hi, th_hi, x4, x5, x6, x7,
+                          y4, y5, y6, y7, dt, WARPS, SETS, PTX)
+    return acc, acc2
+
+
+@triton.jit
+def _mma_store(acc, acc_u, y_ptr, p_ptr, rows, t, m0, M, N, y_stride, pid_k, dt: tl.constexpr,
+               SPLIT_K: tl.constexpr, SILU_MUL: tl.constexpr):
+    # Column c of lane (g, t): weight row rows + 8 (c // 2), x row m0 + 2t + c % 2: the
+    # epilogue and the output, or with a K split the float32 partial sums.
+    c = tl.arange(0, 4)[None, :]
+    out_rows = rows[:, None] + 8 * (c // 2)
+    out_x = m0 + 2 * t[:, None] + c % 2
+    mask = (out_rows < N) & (out_x < M)
+    if SPLIT_K == 1:
+        y = _epilogue(acc, acc_u, dt, y_ptr.dtype.element_ty, SILU_MUL)
+        tl.store(y_ptr + out_x.to(tl.int64) * y_stride + out_rows, y, mask=mask)
+    else:
+        width = 2 * N if SILU_MUL else N
+        p_ptrs = p_ptr + (pid_k * M + out_x.to(tl.int64)) * width + out_rows
+        tl.store(p_ptrs, acc, mask=mask)
+        if SILU_MUL:
+            tl.store(p_ptrs + N, acc_u, mask=mask)
 
 
 @triton.jit
@@ -882,11 +950,13 @@ def _nf4_mma_kernel(x_ptr, w_ptr, s_ptr, code_ptr, n2_ptr, nc_ptr, sh_ptr, off_p
                     M, N, x_stride, y_stride,
                     K: tl.constexpr, NESTED: tl.constexpr, NUM_SHARDS: tl.constexpr,
                     WARPS: tl.constexpr, SPLIT_K: tl.constexpr, EXACT_BF16: tl.constexpr,
-                    EXACT_MUL: tl.constexpr, SILU_MUL: tl.constexpr, PTX: tl.constexpr):
-    # Program (m, n, s): x rows 8m .. 8m + 7 (rows past M read row M - 1, their sums are
-    # dropped) against weight rows 16 WARPS n .. (rows past N read the last one), scale
-    # blocks [s KB / SPLIT_K, (s + 1) KB / SPLIT_K) four at a time (blocks of 64). Output,
-    # K split and partial sums as ``_nf4_gemm_kernel``.
+                    EXACT_MUL: tl.constexpr, SILU_MUL: tl.constexpr, PTX: tl.constexpr,
+                    SETS: tl.constexpr):
+    # Program (m, n, s): x rows 8 SETS m .. (rows past M read row M - 1, their sums are
+    # dropped; SETS sets of 8, each looked-up weight fragment meeting all of them) against
+    # weight rows 16 WARPS n .. (rows past N read the last one), scale blocks
+    # [s KB / SPLIT_K, (s + 1) KB / SPLIT_K) four at a time (blocks of 64). Output, K split
+    # and partial sums as ``_nf4_gemm_kernel``.
     LANES: tl.constexpr = 32 * WARPS
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
@@ -910,35 +980,32 @@ def _nf4_mma_kernel(x_ptr, w_ptr, s_ptr, code_ptr, n2_ptr, nc_ptr, sh_ptr, off_p
         if SILU_MUL:
             su_lo, bu_lo, ou_lo = _shard_of(sh_ptr, off_ptr, r_lo + N, NUM_SHARDS)
             su_hi, bu_hi, ou_hi = _shard_of(sh_ptr, off_ptr, r_hi + N, NUM_SHARDS)
+    m0 = pid_m * 8 * SETS
     x32 = x_ptr.to(tl.pointer_type(tl.uint32)) + (
-        tl.minimum(pid_m * 8 + g, M - 1).to(tl.int64) * (x_stride // 2))
+        tl.minimum(m0 + g, M - 1).to(tl.int64) * (x_stride // 2))
+    x32b = x_ptr.to(tl.pointer_type(tl.uint32)) + (
+        tl.minimum(m0 + 8 + g, M - 1).to(tl.int64) * (x_stride // 2))
     acc = tl.zeros((LANES, 4), dtype=tl.float32)
+    acc2 = acc
     acc_u = acc
+    acc_u2 = acc
     per_split: tl.constexpr = K // 64 // SPLIT_K
     j0 = pid_k * per_split
     for jj in range(0, per_split, 4):
         jb = j0 + jj + t
-        acc = _mma_rows(acc, x32, w_ptr, s_ptr, code_ptr, n2_ptr, nc_ptr, r_lo, r_hi,
-                        st_lo, ba_lo, of_lo, st_hi, ba_hi, of_hi, jb, dt, K, NESTED, WARPS,
-                        EXACT_BF16, EXACT_MUL, PTX)
+        acc, acc2 = _mma_rows(acc, acc2, x32, x32b, w_ptr, s_ptr, code_ptr, n2_ptr, nc_ptr,
+                              r_lo, r_hi, st_lo, ba_lo, of_lo, st_hi, ba_hi, of_hi, jb, dt, K,
+                              NESTED, WARPS, SETS, EXACT_BF16, EXACT_MUL, PTX)
         if SILU_MUL:
-            acc_u = _mma_rows(acc_u, x32, w_ptr, s_ptr, code_ptr, n2_ptr, nc_ptr, r_lo + N,
-                              r_hi + N, su_lo, bu_lo, ou_lo, su_hi, bu_hi, ou_hi, jb, dt, K,
-                              NESTED, WARPS, EXACT_BF16, EXACT_MUL, PTX)
-    # Column c of lane (g, t): weight row rows + 8 (c // 2), x row 8m + 2t + c % 2.
-    c = tl.arange(0, 4)[None, :]
-    out_rows = rows[:, None] + 8 * (c // 2)
-    out_x = pid_m * 8 + 2 * t[:, None] + c % 2
-    mask = (out_rows < N) & (out_x < M)
-    if SPLIT_K == 1:
-        y = _epilogue(acc, acc_u, dt, y_ptr.dtype.element_ty, SILU_MUL)
-        tl.store(y_ptr + out_x.to(tl.int64) * y_stride + out_rows, y, mask=mask)
-    else:
-        width = 2 * N if SILU_MUL else N
-        p_ptrs = p_ptr + (pid_k * M + out_x.to(tl.int64)) * width + out_rows
-        tl.store(p_ptrs, acc, mask=mask)
-        if SILU_MUL:
-            tl.store(p_ptrs + N, acc_u, mask=mask)
+            acc_u, acc_u2 = _mma_rows(acc_u, acc_u2, x32, x32b, w_ptr, s_ptr, code_ptr, n2_ptr,
+                                      nc_ptr, r_lo + N, r_hi + N, su_lo, bu_lo, ou_lo, su_hi,
+                                      bu_hi, ou_hi, jb, dt, K, NESTED, WARPS, SETS, EXACT_BF16,
+                                      EXACT_MUL, PTX)
+    _mma_store(acc, acc_u, y_ptr, p_ptr, rows, t, m0, M, N, y_stride, pid_k, dt, SPLIT_K,
+               SILU_MUL)
+    if SETS == 2:
+        _mma_store(acc2, acc_u2, y_ptr, p_ptr, rows, t, m0 + 8, M, N, y_stride, pid_k, dt,
+                   SPLIT_K, SILU_MUL)
 
 
 @triton.jit
@@ -991,8 +1058,8 @@ class Nf4Config:
     table: bool = False  # the tensor-core kernel on per-block lookup tables (16-bit inputs)
     pairs: bool = False  # the CUDA-core kernel on the same tables (16-bit inputs, 1-4 rows)
     # The same lookups into inline m16n8k16 tensor-core products (16-bit inputs, blocks of
-    # 64): block_m 8, blocks_per_iter 4 (one a thread of each lane group), block_n 16 weight
-    # rows a warp.
+    # 64): block_m 8 or 16 (one or two sets of 8 x rows on each looked-up weight fragment),
+    # blocks_per_iter 4 (one a thread of each lane group), block_n 16 weight rows a warp.
     mma: bool = False
 
     def fits(self, k: int, blocksize: int) -> bool:
@@ -1283,9 +1350,10 @@ def _launch_mma(
         raise ValueError(f"{cfg}: the mma kernel takes 16-bit inputs, not {x.dtype}")
     if qw.blocksize != 64:
         raise ValueError(f"{cfg}: the mma kernel runs blocks of 64, not {qw.blocksize}")
-    if cfg.block_m != 8 or cfg.blocks_per_iter != 4 or cfg.block_n != 16 * cfg.num_warps:
+    if cfg.block_m not in (8, 16) or cfg.blocks_per_iter != 4 or cfg.block_n != 16 * cfg.num_warps:
         raise ValueError(
-            f"{cfg}: the mma kernel runs 8 rows and 4 blocks an iteration on 16 weight rows a warp"
+            f"{cfg}: the mma kernel runs 8 or 16 rows and 4 blocks an iteration on 16 weight "
+            "rows a warp"
         )
     if x.stride(0) % 2 or x.data_ptr() % 4:
         raise ValueError("the mma kernel reads x in 32-bit pairs: rows must start 4-aligned")
@@ -1294,7 +1362,7 @@ def _launch_mma(
         x.shape[0], n, x.stride(0), y.stride(0),
         K=qw.shape[1], NESTED=qw.nested, NUM_SHARDS=_num_shards(qw), WARPS=cfg.num_warps,
         SPLIT_K=cfg.split_k, EXACT_BF16=_INTERPRETED, EXACT_MUL=not _INTERPRETED,
-        SILU_MUL=silu_mul, PTX=not _INTERPRETED,
+        SILU_MUL=silu_mul, PTX=not _INTERPRETED, SETS=cfg.block_m // 8,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )  # fmt: skip
 
