@@ -124,8 +124,9 @@ def test_skinny_gemm() -> None:
     torch.testing.assert_close(got, F.linear(x.contiguous(), w), **TOL)
 
 
-def test_nf4_gemm() -> None:
-    """The 4-bit GEMM reading activations and writing outputs past 2^31 elements."""
+@pytest.mark.parametrize("kernel", ["cuda-cores", "mma"])
+def test_nf4_gemm(kernel: str) -> None:
+    """The 4-bit GEMMs reading activations and writing outputs past 2^31 elements."""
     pytest.importorskip("bitsandbytes")  # builds the layer (a test dependency)
     from helpers.bnb_checkpoints import bnb_layer
 
@@ -134,7 +135,10 @@ def test_nf4_gemm() -> None:
     layer, w = bnb_layer([48, 16], 256, dtype=DT)
     x = rows_past_2_31(3, 256, seed=15)
     out = rows_past_2_31(3, 64, seed=16)
-    nf4_gemm(x, layer.fmt.quantized_weight(layer), Nf4Config(4, 32, num_stages=2), out)
+    cfg = Nf4Config(4, 32, num_stages=2)
+    if kernel == "mma":  # blocks of 64, four an iteration; 32 weight rows on two warps
+        cfg = Nf4Config(8, 32, 4, num_warps=2, mma=True)
+    nf4_gemm(x, layer.fmt.quantized_weight(layer), cfg, out)
     torch.testing.assert_close(out, F.linear(x.contiguous(), w), **TOL)
 
 
