@@ -1,12 +1,12 @@
 #!/usr/bin/env bash
-# NF4 decode at one row: the pair kernel against the table kernel, one GPU, 11B shape with
-# dummy weights. The 4-bit kernel tests on CUDA, the one-row GEMM sweep (writes this GPU's
-# tuned entries), then the engine's decode steps twice on the same machine: "pairs" with the
-# tuned table as the sweep left it, "table" with each shape's one-row entry replaced by its
-# four-row one (the table kernel), then bf16 (ENGINES, default "pairs table bf16").
+# NF4 decode GEMMs against each other, one GPU, 11B shape with dummy weights. The 4-bit kernel
+# tests on CUDA, the GEMM sweep at ROWS (default 1; writes this GPU's tuned entries), then the
+# engine's decode steps on the same machine: "tuned" with the tuned table as the sweep left
+# it, "table" with every entry of up to 8 rows replaced by the shape's 16-row entry (the
+# table kernel, as the sweeps chose it there), then bf16 (ENGINES, default "tuned table bf16").
 # Usage (repository root, offline GPU machine): bash tools/gpu_nf4_ab.sh
-# Env: PARTS (default "tests sweep engines"), ENGINES, SHAPES (the sweep's), PYTEST_K (a -k
-# expression for the tests), SWEEP_S.
+# Env: PARTS (default "tests sweep engines"), ROWS, ENGINES, SHAPES (the sweep's), PYTEST_K (a
+# -k expression for the tests), SWEEP_S, ENGINE_S, BATCHES (the engine's, default 1,4).
 # bitsandbytes itself: a directory holding the package on EXTRA_PYTHONPATH (its CUDA 13 library).
 set -uo pipefail
 source tools/gpu_env.sh || exit 1
@@ -22,7 +22,7 @@ python3 -m pytest -q -p no:cacheprovider tests/kernels/test_nf4_gemm.py ${PYTEST
 tail -1 "$OUT/nf4_tests.log"
 fi
 if [[ " $PARTS " == *" sweep "* ]]; then
-stamp "one-row sweep"
+stamp "sweep at ${ROWS:-1} rows"
 timeout "${SWEEP_S:-200}" python3 -m benchmarks.kernels nf4 --sweep --table --silu --jobs 14 \
   --rows "${ROWS:-1}" --shapes "${SHAPES:-qkv,o_proj,gate_up,down}" --json "$OUT/nf4_rows1.json" \
   >"$OUT/nf4_sweep.log" 2>&1
@@ -31,7 +31,7 @@ cp "$TABLE" "$OUT/"
 python3 - "$OUT/nf4_rows1.json" <<'PY'
 import json, sys
 rep = json.load(open(sys.argv[1]))
-print(f"read {rep['read_gb_s']:.0f} GB/s; us (% read) at one row")
+print(f"read {rep['read_gb_s']:.0f} GB/s; us (% read), each kernel's best")
 print("shape     M  bf16          pairs          mma            table          bnb")
 nan = {"us": float("nan"), "pct_read": float("nan")}
 for r in rep["nf4"]:
@@ -47,22 +47,23 @@ engine() {  # engine TAG FORMATS
   grep -E "^(bitsandbytes|bf16) +(text|image) +bs=" "$OUT/quant_$1.log" | sed "s/^/$1: /"
 }
 [[ " $PARTS " == *" engines "* ]] || ENGINES=" "
-for e in ${ENGINES:-pairs table bf16}; do
+for e in ${ENGINES:-tuned table bf16}; do
   case $e in
-    pairs) stamp "engine, the tuned table (pairs at one row)"; engine pairs bitsandbytes ;;
+    tuned) stamp "engine, the tuned table"; engine tuned bitsandbytes ;;
     table)
-      cp "$TABLE" /tmp/tuned_pairs.json
+      cp "$TABLE" /tmp/tuned_nf4.json
       python3 - "$TABLE" <<'PY'
 import json, sys
 d = json.load(open(sys.argv[1]))
 for rows in d["configs"].values():
-    if "1" in rows and "4" in rows:
-        rows["1"] = rows["4"]
+    if "16" in rows:
+        for m in [m for m in rows if int(m) <= 8]:
+            rows[m] = rows["16"]
 json.dump(d, open(sys.argv[1], "w"), indent=1)
 PY
-      stamp "engine, the table kernel at one row"
+      stamp "engine, the table kernel up to 8 rows"
       engine table bitsandbytes
-      cp /tmp/tuned_pairs.json "$TABLE" ;;
+      cp /tmp/tuned_nf4.json "$TABLE" ;;
     bf16) stamp "engine, bf16"; engine bf16 bf16 ;;
   esac
 done
