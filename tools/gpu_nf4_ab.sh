@@ -49,7 +49,7 @@ engine() {  # engine TAG FORMATS
 [[ " $PARTS " == *" engines "* ]] || ENGINES=" "
 for e in ${ENGINES:-tuned table bf16}; do
   case $e in
-    tuned) stamp "engine, the tuned table"; engine tuned bitsandbytes ;;
+    tuned | pairs) stamp "engine, the tuned table"; engine "$e" bitsandbytes ;;  # pairs: its old name
     table)
       cp "$TABLE" /tmp/tuned_nf4.json
       python3 - "$TABLE" <<'PY'
