@@ -88,7 +88,8 @@ def test_gemm_tile_is_bitwise_dequantize_4bit(shards, k, qt, bs, nested, dtype, 
             cfg = Nf4Config(16, 32, split_k=2, table=True)
     elif kernel.startswith("mma"):
         # 64 weight rows a program (rows past N clamped), 8 x rows (rows past M clamped).
-        split = 2 if kernel == "mma-split" else 1
+        # mma16: two sets of 8 x rows (the second all past M), K split where it divides.
+        split = 2 if kernel == "mma-split" or (kernel == "mma16" and (k // bs) % 8 == 0) else 1
         cfg = Nf4Config(16 if kernel == "mma16" else 8, 64, 4, split_k=split, mma=True)
     elif kernel.startswith("pairs"):
         cfg = Nf4Config(4, 256, pairs=True)  # weight rows past N clamped
