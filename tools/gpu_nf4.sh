@@ -27,19 +27,20 @@ if [ "$WHAT" = kernels ] || [ "$WHAT" = all ]; then
 import json, sys
 rep = json.load(open(sys.argv[1]))
 print(f"copy {rep['copy_gb_s']:.0f} GB/s, read {rep['read_gb_s']:.0f} GB/s")
-print("shape      M   bf16 us  scratch us   pairs us (%read)   table us (%read)   bnb us   chosen")
+print("shape      M   bf16 us  scratch us   pairs us (%read)   mma us (%read)     "
+      "table us (%read)   bnb us   chosen")
 nan = {"us": float("nan"), "pct_read": float("nan")}
 for r in rep["nf4"]:
     b = r.get("bnb_matmul_4bit", nan)["us"]
-    p = r.get("nf4_best_pairs", nan)
-    t = r.get("nf4_best_table", nan)
+    cells = [r.get(f"nf4_best_{kind}", nan) for kind in ("pairs", "mma", "table")]
     choice = r.get("choice", "-")
-    choice = choice if isinstance(choice, str) else "/".join(
-        str(v) for k, v in choice.items() if k not in ("table", "pairs")) + (
-        " pairs" if choice.get("pairs") else " table" if choice.get("table") else "")
+    if not isinstance(choice, str):
+        kind = next((k for k in ("pairs", "mma", "table") if choice.get(k)), "cuda-core")
+        choice = "/".join(str(choice[k]) for k in ("block_m", "block_n", "blocks_per_iter",
+                                                   "split_k", "num_warps")) + " " + kind
     print(f"{r['shape']:8s} {r['m']:4d} {r['bf16']['us']:8.1f} {r['scratch']['us']:10.1f} "
-          f"{p['us']:9.1f} ({p['pct_read']:5.1f}) {t['us']:9.1f} ({t['pct_read']:5.1f}) "
-          f"{b:8.1f}   {choice}")
+          + " ".join(f"{c['us']:9.1f} ({c['pct_read']:5.1f})" for c in cells)
+          + f" {b:8.1f}   {choice}")
 PY
 fi
 if [ "$WHAT" = engine ] || [ "$WHAT" = all ]; then
