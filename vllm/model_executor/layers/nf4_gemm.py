@@ -861,9 +861,10 @@ def _mma_table(code_ptr, scale, dt: tl.constexpr, EXACT_BF16: tl.constexpr, PTX:
 
 @triton.jit
 def _mma_scale(s_ptr, n2_ptr, nc_ptr, wr, start, base, offset, jb,
-               K: tl.constexpr, NESTED: tl.constexpr, EXACT_MUL: tl.constexpr):
-    # float32 scales of blocks jb of weight rows wr (both [LANES]; blocks of 64).
-    kb: tl.constexpr = K // 64
+               K: tl.constexpr, NESTED: tl.constexpr, EXACT_MUL: tl.constexpr,
+               BLOCKSIZE: tl.constexpr = 64):
+    # float32 scales of blocks jb of weight rows wr (both [LANES]).
+    kb: tl.constexpr = K // BLOCKSIZE
     w64 = wr.to(tl.int64)
     if NESTED:
         u = tl.load(s_ptr + w64 * kb + jb).to(tl.int32)
@@ -1069,19 +1070,17 @@ def _dequant_lanes_kernel(w_ptr, s_ptr, code_ptr, n2_ptr, nc_ptr, sh_ptr, off_pt
     # (consecutive lanes, consecutive chunks of a row): its table is built once, its 32 bytes
     # read and its 128 written 16 bytes at a time. 16-bit outputs, blocks of 64 and up.
     CH: tl.constexpr = K // 64
-    kb: tl.constexpr = K // BLOCKSIZE
     e = tl.program_id(0).to(tl.int64) * LANES + tl.arange(0, LANES)
     ok = e < N.to(tl.int64) * CH
     row = tl.minimum(e // CH, N - 1)
     ch = e % CH
-    jb = ch * 64 // BLOCKSIZE
+    start = tl.zeros_like(row)
+    base = start
+    offset = tl.zeros((LANES,), dtype=tl.float32)
     if NESTED:
         start, base, offset = _shard_of(sh_ptr, off_ptr, row.to(tl.int32), NUM_SHARDS)
-        u = tl.load(s_ptr + row * kb + jb).to(tl.int32)
-        group = base.to(tl.int64) + ((row - start) * kb + jb) // 256
-        scale = _mul_rn(tl.load(nc_ptr + u), tl.load(n2_ptr + group), EXACT_MUL) + offset
-    else:
-        scale = tl.load(s_ptr + row * kb + jb).to(tl.float32)
+    scale = _mma_scale(s_ptr, n2_ptr, nc_ptr, row, start, base, offset, ch * 64 // BLOCKSIZE, K,
+                       NESTED, EXACT_MUL, BLOCKSIZE)
     dt = out_ptr.dtype.element_ty
     lo, hi = _mma_table(code_ptr, scale, dt, EXACT_BF16, PTX)
     four = tl.arange(0, 4)[None, :]
@@ -1130,8 +1129,8 @@ class Nf4Config:
         return k % blocksize == 0 and (k // blocksize) % (self.split_k * self.blocks_per_iter) == 0
 
     def serves(self, m: int) -> bool:
-        """Whether a launch of ``m`` rows may use this config: the CUDA-core kernel holds at
-        most ``MAX_ROWS`` rows a tile, the table kernel any number."""
+        """Whether a launch of ``m`` rows may use this config: the float32 CUDA-core kernel
+        holds at most ``MAX_ROWS`` rows a tile, the 16-bit kernels tile any number."""
         return self.table or self.pairs or self.mma or self.block_m <= MAX_ROWS
 
 
@@ -1389,6 +1388,14 @@ def _launch_table(
     )  # fmt: skip
 
 
+def _check_16bit_pairs(x: torch.Tensor, cfg: Nf4Config, kernel: str) -> None:
+    """The pair and mma kernels read 16-bit x as 32-bit pairs."""
+    if x.dtype not in (torch.bfloat16, torch.float16):
+        raise ValueError(f"{cfg}: the {kernel} kernel takes 16-bit inputs, not {x.dtype}")
+    if x.stride(0) % 2 or x.data_ptr() % 4:
+        raise ValueError(f"the {kernel} kernel reads x in 32-bit pairs: rows must start 4-aligned")
+
+
 def _launch_pairs(
     x: torch.Tensor,
     qw: QuantizedWeight,
@@ -1399,12 +1406,9 @@ def _launch_pairs(
     n: int,
     silu_mul: bool,
 ) -> None:
-    if x.dtype not in (torch.bfloat16, torch.float16):
-        raise ValueError(f"{cfg}: the pair kernel takes 16-bit inputs, not {x.dtype}")
+    _check_16bit_pairs(x, cfg, "pair")
     if cfg.block_m not in (1, 2, 4) or qw.blocksize % 32:
         raise ValueError(f"{cfg}: the pair kernel runs 1, 2 or 4 rows a tile, blocks of 32k")
-    if x.stride(0) % 2 or x.data_ptr() % 4:
-        raise ValueError("the pair kernel reads x in 32-bit pairs: rows must start 4-aligned")
     _nf4_pair_kernel[grid](
         x, *_pointers(qw), y, partial,
         x.shape[0], n, x.stride(0), y.stride(0),
@@ -1426,8 +1430,7 @@ def _launch_mma(
     n: int,
     silu_mul: bool,
 ) -> None:
-    if x.dtype not in (torch.bfloat16, torch.float16):
-        raise ValueError(f"{cfg}: the mma kernel takes 16-bit inputs, not {x.dtype}")
+    _check_16bit_pairs(x, cfg, "mma")
     if qw.blocksize != 64:
         raise ValueError(f"{cfg}: the mma kernel runs blocks of 64, not {qw.blocksize}")
     if cfg.block_m not in (8, 16) or cfg.blocks_per_iter != 4 or cfg.block_n != 16 * cfg.num_warps:
@@ -1435,8 +1438,6 @@ def _launch_mma(
             f"{cfg}: the mma kernel runs 8 or 16 rows and 4 blocks an iteration on 16 weight "
             "rows a warp"
         )
-    if x.stride(0) % 2 or x.data_ptr() % 4:
-        raise ValueError("the mma kernel reads x in 32-bit pairs: rows must start 4-aligned")
     _nf4_mma_kernel[grid](
         x, *_pointers(qw), y, partial,
         x.shape[0], n, x.stride(0), y.stride(0),
