@@ -22,6 +22,11 @@ COMMANDS = {
         "benchmarks.profiling.chunk_host",
         "short prefill chunks over a cached context: rows vs eager, host time, cProfile",
     ),
+    "context": (
+        "benchmarks.profiling.context_attention",
+        "one layer's self-attention of a step of chunks after cached prefixes: launches, "
+        "GPU and host time",
+    ),
     "inputs": (
         "benchmarks.profiling.turn_inputs",
         "a chat turn's input steps on the host: JSON, template, tokenization, image lookup",

@@ -16,7 +16,7 @@ import torch
 
 from vllm.attention.backends.torch_attn import TorchBackend
 from vllm.attention.backends.triton_attn import TritonBackend
-from vllm.attention.metadata import DecodeMetadata, PrefillMetadata
+from vllm.attention.metadata import ContextGroup, DecodeMetadata, PrefillMetadata
 from vllm.attention.ops import reference as ref
 from vllm.attention.ops import sdpa
 from vllm.attention.ops.triton_decode import (
@@ -315,34 +315,63 @@ def test_sdpa_prefill_causal_matches_reference(
     torch.testing.assert_close(out[:real], expected[:real], **tol)
 
 
+def _context_groups(tables: list[list[int]], contexts: list[int], lens: list[int], page: int,
+                    split: list[list[int]]) -> list[ContextGroup]:
+    """The chunks with context (indices into the step's sequences) grouped as ``split``
+    says, built from the definition in ``ContextGroup``'s docstring."""
+    firsts = [sum(lens[:i]) for i in range(len(lens))]
+    groups = []
+    for members in split:
+        pages, runs, ranges, rows = [], [], [], []
+        for i in members:
+            ctx, n, q0 = contexts[i], lens[i], firsts[i]
+            k0 = len(pages) * page
+            pages += tables[i][:math.ceil((ctx + n) / page)]
+            runs.append((q0, q0 + n, k0, k0 + ctx + n))
+            ranges += [(k0, k0 + ctx + j + 1) for j in range(n)]
+            rows += range(q0, q0 + n)
+        groups.append(ContextGroup(
+            torch.tensor(pages, device=DEVICE), runs,
+            torch.tensor(ranges, dtype=torch.int32, device=DEVICE),
+            torch.tensor(rows, device=DEVICE) if len(members) > 1 else None))
+    return groups
+
+
 @pytest.mark.parametrize(
     ("num_heads", "num_kv_heads", "head_dim", "dtype"),
     [(4, 2, 32, torch.float32), (8, 1, 16, torch.float32), (8, 2, 64, torch.float16)],
 )
-@pytest.mark.parametrize("backend", [TorchBackend(), TritonBackend(SMALL)], ids=["torch", "triton"])
+@pytest.mark.parametrize("backend", [TorchBackend(), TritonBackend(SMALL),
+                                     TritonBackend(SMALL, num_sms=132)],
+                         ids=["torch", "triton", "triton-key-splits"])
+@pytest.mark.parametrize("split", [[[1], [2], [3], [5]], [[1, 2, 3, 5]], [[3, 1], [5, 2]]],
+                         ids=["alone", "one-group", "reordered-pairs"])
 def test_prefill_chunks_read_their_context_from_pages(
-    num_heads: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype, backend
+    num_heads: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype, backend, split
 ) -> None:
-    """Chunked prefill: chunks after 0, 5, 16 and 37 cached tokens (page boundaries inside and
-    on the edge), packed with a whole prompt and padding rows; each chunk's K/V is written to
-    its pages first, as the layer does. Against the oracle reading everything from pages."""
+    """Chunked prefill: chunks after 5, 16, 150 and 520 cached tokens (page boundaries inside
+    and on the edge), packed with whole prompts and padding rows; each chunk's K/V is written to
+    its pages first, as the layer does. The chunks read their context alone, all in one
+    group (one gather, one kernel call), or in groups whose order is not the step's (a
+    query tile then spans chunks whose keys are apart); with an H200's SM count the ranged
+    kernel splits the longer groups' keys (1 to 11 splits here). Against the oracle reading
+    everything from pages."""
     page, gen = 4, _gen(head_dim + num_heads)
-    contexts, lens = [0, 5, 16, 37, 0], [6, 7, 1, 12, 9]
+    contexts, lens = [0, 5, 16, 150, 0, 520], [6, 7, 1, 12, 9, 21]
     totals = [c + n for c, n in zip(contexts, lens, strict=True)]
     num_pages = sum(math.ceil(t / page) for t in totals) + 2
     _, kc, vc = make_pool(num_pages, num_kv_heads, page, head_dim, dtype, gen)
     tables = make_tables(totals, page, num_pages, gen).tolist()
     q, k, v = _packed_qkv(sum(lens) + 3, num_heads, num_kv_heads, head_dim, dtype, gen)
     # The earlier chunks' K/V (finite garbage past it on each page is never read).
-    slots, pages = [], []
+    slots = []
     for table, ctx, n in zip(tables, contexts, lens, strict=True):
         slots += [table[t // page] * page + t % page for t in range(ctx, ctx + n)]
-        pages.append(torch.tensor(table[:math.ceil((ctx + n) / page)], device=DEVICE)
-                     if ctx else None)
     slot_mapping = torch.tensor(slots + [-1] * 3, dtype=torch.int64, device=DEVICE)
     ref.write_kv_cache(k, v, kc, vc, slot_mapping)
     md = PrefillMetadata(num_tokens=sum(lens) + 3, slot_mapping=slot_mapping, seq_lens=lens,
-                         num_padding=3, context_lens=contexts, context_pages=pages)
+                         num_padding=3, context_lens=contexts,
+                         context_groups=_context_groups(tables, contexts, lens, page, split))
     out = backend.prefill_self(q, k, v, md, 0.3, (kc, vc))
     expected = ref.chunked_causal_attention(q, kc, vc, tables, contexts, lens, 0.3)
     real = sum(lens)

@@ -173,6 +173,7 @@ def test_full_context_chunk_gather_is_reserved(monkeypatch) -> None:
     the pages, which the profile (chunks without context) does not measure: the reserve holds
     them (and a transient copy), and the pre-load check counts it: a GPU with room for the
     profile's step but not for the gather is refused, naming max_model_len."""
+    from vllm.attention.metadata import ContextGroup
     from vllm.attention.ops import sdpa
 
     cfg = _config(FULL, 64, max_num_seqs=2, limit_mm_per_prompt={"image": 1})
@@ -184,15 +185,16 @@ def test_full_context_chunk_gather_is_reserved(monkeypatch) -> None:
     )
     gathered: list[int] = []
 
-    def record(q, k, v, scale, out) -> None:
+    def record(query, k, v, group, scale, out) -> None:
         gathered.append(k.nbytes + v.nbytes)
 
     n = 16
     q = torch.zeros(n, t.num_attention_heads, t.head_dim, dtype=cfg.model_config.dtype)
     kv = torch.zeros(n, t.num_key_value_heads, t.head_dim, dtype=cfg.model_config.dtype)
-    sdpa.varlen_causal_attention(
-        q, kv, kv, [n], 1.0, [FULL - n], [torch.arange(1, pages + 1)], (cache, cache), record
+    group = ContextGroup(
+        torch.arange(1, pages + 1), [(0, n, 0, FULL)], torch.zeros(n, 2, dtype=torch.int32)
     )
+    sdpa.varlen_causal_attention(q, kv, kv, [n], 1.0, [FULL - n], [group], (cache, cache), record)
     reserve = memory.context_gather_bytes(cfg)
     assert gathered and reserve >= 1.5 * gathered[0]
     whole = EngineArgs(

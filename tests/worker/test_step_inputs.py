@@ -206,3 +206,36 @@ def test_padded_prefill_batch_keeps_the_real_rows() -> None:
         assert getattr(a, name) == getattr(b, name), name
     for name in ("cross_cache_src", "cross_slot_mapping"):
         assert torch.equal(getattr(a, name), getattr(b, name)), name
+
+
+def test_chunks_with_context_read_their_pages_in_bounded_groups() -> None:
+    """Chunks after a cached prefix are grouped in step order while their pages fit the
+    bound (a chunk alone may fill a group); each chunk's keys start on a page boundary of
+    its group's gather, and its query at position p sees the group's keys from its first to
+    p. A whole prompt between them is in no group."""
+    cpu = torch.device("cpu")
+    items = [PrefillItem(list(range(1, 11)), _inputs(list(range(1, 11)), []), "a",
+                         block_table=[3, 4, 5], start=6),  # 6 cached + 4 new, 3 pages
+             PrefillItem([1, 2, 3], _inputs([1, 2, 3], []), "w", block_table=[7]),
+             PrefillItem(list(range(1, 6)), _inputs(list(range(1, 6)), []), "b",
+                         block_table=[8, 9], start=3),  # 3 + 2, 2 pages
+             PrefillItem(list(range(1, 17)), _inputs(list(range(1, 17)), []), "c",
+                         block_table=[10, 11, 12, 13], start=15)]  # 15 + 1, 4 pages
+    md = build_prefill_batch(items, block_size=4, cross_block_size=8, device=cpu,
+                             max_context_tokens=20).metadata  # at most 5 pages a group
+    assert md.context_lens == [6, 0, 3, 15]
+    g1, g2 = md.context_groups
+    # Rows: a 0..4, w 4..7, b 7..9, c 9..10.
+    assert g1.pages.tolist() == [3, 4, 5, 8, 9]
+    assert g1.runs == [(0, 4, 0, 10), (7, 9, 12, 17)]
+    assert g1.rows.tolist() == [0, 1, 2, 3, 7, 8]
+    assert g1.ranges.dtype == torch.int32
+    assert g1.ranges.tolist() == [[0, 7], [0, 8], [0, 9], [0, 10], [12, 16], [12, 17]]
+    assert g2.pages.tolist() == [10, 11, 12, 13] and g2.runs == [(9, 10, 0, 16)]
+    assert g2.rows is None and g2.ranges.tolist() == [[0, 16]]
+    one = build_prefill_batch(items, block_size=4, cross_block_size=8, device=cpu).metadata
+    (g,) = one.context_groups  # unbounded: one group, one gather
+    assert g.pages.tolist() == [3, 4, 5, 8, 9, 10, 11, 12, 13]
+    assert g.runs[2] == (9, 10, 20, 36) and g.ranges.tolist()[-1] == [20, 36]
+    whole = build_prefill_batch(items[1:2], block_size=4, cross_block_size=8, device=cpu)
+    assert whole.metadata.context_lens is None and whole.metadata.context_groups is None

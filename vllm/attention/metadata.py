@@ -64,6 +64,27 @@ class DecodeMetadata:
 
 
 @dataclass(frozen=True)
+class ContextGroup:
+    """Prefill chunks of one step whose earlier tokens (their context) are read from the
+    pages together: one gather of all their pages per layer, then one attention call where
+    the back-end has a kernel for it (``ops/sdpa.py``). A step with many short chunks after
+    a cached prefix (a chat template's system header, say) then costs a few launches per
+    layer, not a few per chunk.
+
+    Gathered key row ``r`` is token ``r % page_size`` of page ``pages[r // page_size]``.
+    Each chunk's keys start on a page boundary of the gather, so the tail of its last page
+    holds rows that no query sees."""
+
+    pages: torch.Tensor  # [n] int64: each chunk's pages (positions 0..its end), chunk after chunk
+    # Host, per chunk: step rows q0..q1 are its queries, the last q1 - q0 of gathered keys k0..k1.
+    runs: list[tuple[int, int, int, int]]
+    # [Tq, 2] int32 per query of the chunks (in ``runs`` order): gathered keys [start, end).
+    ranges: torch.Tensor
+    # [Tq] int64: the step rows of those queries; None when the group is one chunk (q0..q1).
+    rows: torch.Tensor | None = None
+
+
+@dataclass(frozen=True)
 class PrefillMetadata:
     """Inputs of the self- and cross-attention layers for a prefill step (run eagerly)."""
 
@@ -84,9 +105,9 @@ class PrefillMetadata:
     # Cross-cache slots whose K/V (cached cross groups) follow the step's fresh vision K/V.
     cross_cache_read: torch.Tensor | None = None  # [num_read] int64
     # Prefill chunks: per sequence, the tokens before this step's (their K/V in its pages),
-    # and for those with any, the pages holding positions 0..context+seq_len ([n] int64).
+    # and the chunks with any, grouped for reading those pages (bounded in pages per group).
     context_lens: list[int] | None = None
-    context_pages: list[torch.Tensor | None] | None = None
+    context_groups: list[ContextGroup] | None = None
 
     @property
     def num_seqs(self) -> int:

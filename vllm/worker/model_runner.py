@@ -405,7 +405,12 @@ class ModelRunner:
                 images.pixel_values, images.aspect_ratio_ids, images.num_tiles
             )
         batch = build_prefill_batch(
-            items, lo.block_size, lo.cross_block_size, self.device, pad_rows=True
+            items,
+            lo.block_size,
+            lo.cross_block_size,
+            self.device,
+            pad_rows=True,
+            max_context_tokens=self.config.model_config.max_model_len,
         )
         if batch.vision_parts:
             vision = batch.assemble_vision(vision)

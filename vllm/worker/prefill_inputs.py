@@ -5,7 +5,8 @@ batch: token ids and positions back to back, the images of the step's chunks tha
 one vision batch, and for every token a ``[start, end)`` range over the step's packed vision
 tokens. Sequences of one request (n > 1 siblings recomputed after preemption) share one
 encoding of its images. A chunk that continues a sequence (``PrefillItem.start`` > 0) attends
-to its earlier tokens through the pages (``PrefillMetadata.context_pages``).
+to its earlier tokens through the pages; the step's chunks read them in groups
+(``PrefillMetadata.context_groups``).
 
 The runner pads a step's rows up to ``prefill_rows(T)`` (padding rows: token 0 at position 0,
 no cache slot, no vision range, outside every sequence): the text model's GEMMs then see a
@@ -24,7 +25,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from vllm.attention.metadata import PrefillMetadata
+from vllm.attention.metadata import ContextGroup, PrefillMetadata
 from vllm.multimodal.cross_attention import ImageRun
 from vllm.multimodal.processing import ProcessedInputs
 from vllm.utils import to_device
@@ -182,10 +183,60 @@ class _Upload:
                 for x, (_, dtype, shape) in zip(pieces, self._parts, strict=True)]
 
 
+@dataclass(frozen=True)
+class _Chunk:
+    """A chunk with context, as the step packs it: its first row, its new tokens, the
+    tokens before them, its pages."""
+
+    row: int
+    new: int
+    context: int
+    pages: list[int]
+
+
+# A context group before its upload: (runs, then the upload handles of its pages, its
+# ranges and its rows, None for a group of one chunk).
+_PendingGroup = tuple[list[tuple[int, int, int, int]], int, int, int | None]
+
+
+def _context_groups(chunks: list[_Chunk], block_size: int, max_pages: int | None,
+                    up: _Upload) -> list[_PendingGroup]:
+    """Chunks with context, in step order, grouped so that no group's pages pass
+    ``max_pages`` (a chunk alone may fill one; None: no bound); each group's pages, ranges
+    and rows go into ``up`` (``ContextGroup`` says what they are)."""
+    groups: list[list[_Chunk]] = []
+    used = 0
+    for c in chunks:
+        if not groups or (max_pages is not None and used + len(c.pages) > max_pages):
+            groups.append([])
+            used = 0
+        groups[-1].append(c)
+        used += len(c.pages)
+    out = []
+    for group in groups:
+        runs, pages, starts, ends, rows = [], [], [], [], []
+        for c in group:
+            k0 = len(pages) * block_size
+            pages += c.pages
+            runs.append((c.row, c.row + c.new, k0, k0 + c.context + c.new))
+            # Query i of the chunk (position context + i) sees keys k0 .. k0 + context + i.
+            starts.append(torch.full((c.new,), k0, dtype=torch.int64))
+            ends.append(torch.arange(k0 + c.context + 1, k0 + c.context + c.new + 1))
+            rows.append(torch.arange(c.row, c.row + c.new))
+        h_ranges = up.add(torch.stack([torch.cat(starts), torch.cat(ends)], dim=1), torch.int32)
+        h_rows = up.add(torch.cat(rows)) if len(group) > 1 else None
+        out.append((runs, up.add(pages), h_ranges, h_rows))
+    return out
+
+
 def build_prefill_batch(items: list[PrefillItem], block_size: int, cross_block_size: int,
-                        device: torch.device, pad_rows: bool = False) -> PrefillBatch:
+                        device: torch.device, pad_rows: bool = False,
+                        max_context_tokens: int | None = None) -> PrefillBatch:
     """The step's device inputs; ``pad_rows`` appends padding rows up to ``prefill_rows``
-    (``metadata.num_tokens`` and ``num_padding`` count them; ``seq_lens`` does not)."""
+    (``metadata.num_tokens`` and ``num_padding`` count them; ``seq_lens`` does not). Chunks
+    with context read their pages in groups of at most ``max_context_tokens`` tokens of
+    pages (a chunk alone may fill one; the memory reserve, ``memory.context_gather_bytes``,
+    holds one group's gather at ``max_model_len``)."""
     ids: list[int] = []
     positions: list[int] = []
     slots: list[torch.Tensor] = []
@@ -211,7 +262,7 @@ def build_prefill_batch(items: list[PrefillItem], block_size: int, cross_block_s
             cache_read.append(_slots(item.cross_block_table, c1 - c0, cross_block_size))
             n_cached += c1 - c0
     seq_lens, enc_lens, context_lens, last_rows = [], [], [], []
-    context_pages: list[int | None] = []
+    chunks: list[_Chunk] = []
     for item in items:
         inp, n, s0 = item.inputs, len(item.token_ids), item.start
         t0 = len(ids)
@@ -221,7 +272,8 @@ def build_prefill_batch(items: list[PrefillItem], block_size: int, cross_block_s
                      else torch.full((n - s0,), -1, dtype=torch.int64))
         seq_lens.append(n - s0)
         context_lens.append(s0)
-        context_pages.append(-(-n // block_size) if s0 else None)
+        if s0:
+            chunks.append(_Chunk(t0, n - s0, s0, item.block_table[:-(-n // block_size)]))
         if item.samples:
             last_rows.append(t0 + n - s0 - 1)
         item_ranges = [(0, 0)] * (n - s0)
@@ -258,8 +310,8 @@ def build_prefill_batch(items: list[PrefillItem], block_size: int, cross_block_s
     h_cslots = up.add(torch.cat(cross_slots)) if cross_slots else None
     h_read = up.add(torch.cat(cache_read)) if cache_read else None
     h_last = up.add(last_rows)
-    h_pages = [up.add(item.block_table[:n]) if n is not None else None
-               for item, n in zip(items, context_pages, strict=True)]
+    max_pages = None if max_context_tokens is None else -(-max_context_tokens // block_size)
+    h_groups = _context_groups(chunks, block_size, max_pages, up)
     dev = up.to(device)
 
     md = PrefillMetadata(
@@ -274,8 +326,10 @@ def build_prefill_batch(items: list[PrefillItem], block_size: int, cross_block_s
         cross_slot_mapping=dev[h_cslots] if h_cslots is not None else None,
         cross_cache_read=dev[h_read] if h_read is not None else None,
         context_lens=context_lens if any(context_lens) else None,
-        context_pages=[dev[h] if h is not None else None for h in h_pages]
-        if any(context_lens) else None,
+        context_groups=[
+            ContextGroup(dev[pages], runs, dev[h_ranges], None if h_rows is None else dev[h_rows])
+            for runs, pages, h_ranges, h_rows in h_groups
+        ] if h_groups else None,
     )
     return PrefillBatch(
         input_ids=dev[h_ids],

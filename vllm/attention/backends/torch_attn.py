@@ -21,7 +21,7 @@ class TorchBackend:
         self, query, key, value, md: PrefillMetadata, scale: float, kv_cache=None
     ) -> torch.Tensor:
         return sdpa.varlen_causal_attention(
-            query, key, value, md.seq_lens, scale, md.context_lens, md.context_pages, kv_cache
+            query, key, value, md.seq_lens, scale, md.context_lens, md.context_groups, kv_cache
         )
 
     def decode_self(

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from vllm.attention.metadata import DecodeMetadata, PrefillMetadata
+from vllm.attention.metadata import ContextGroup, DecodeMetadata, PrefillMetadata
 from vllm.attention.ops import sdpa
 from vllm.attention.ops.triton_decode import DecodeConfig, paged_decode_attention
 from vllm.attention.ops.triton_kv_write import rope_and_write_kv_cache, write_kv_cache
@@ -79,22 +79,27 @@ class TritonBackend:
     ) -> torch.Tensor:
         # query: [T, Hq, D], key/value: [T, Hkv, D] -> [T, Hq, D]. SDPA (cuDNN on Hopper)
         # measured faster than a Triton causal kernel (see ``ops/sdpa.py``); chunks with
-        # context read their earlier tokens from the pages.
+        # context read their earlier tokens from the pages, a group of chunks at a time.
         return sdpa.varlen_causal_attention(query, key, value, md.seq_lens, scale,
-                                            md.context_lens, md.context_pages, kv_cache,
+                                            md.context_lens, md.context_groups, kv_cache,
                                             self._after_context)
 
-    def _after_context(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
-                       out: torch.Tensor) -> None:
-        """A chunk's queries (the last ``L`` of the ``S`` gathered keys): each sees the range
-        [0, its position], so the ranged kernel (key splits to fill the GPU) does it with no
-        mask and native GQA (SDPA with a mask and GQA would take its math path)."""
-        length, total = q.shape[0], k.shape[0]
-        ranges = torch.zeros(length, 2, dtype=torch.int32, device=q.device)
-        ranges[:, 1] = torch.arange(total - length + 1, total + 1, dtype=torch.int32,
-                                    device=q.device)
-        ranged_cross_attention(q, k, v, ranges, scale, out=out,
-                               num_splits=self._cross_splits(q, k))
+    def _after_context(self, query: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                       group: ContextGroup, scale: float, out: torch.Tensor) -> None:
+        """A context group's queries in one call of the ranged kernel: each query sees the
+        gathered keys [its chunk's first, its position], given by ``group.ranges`` (built
+        once per step), with no mask and native GQA (SDPA with a mask and GQA would take its
+        math path); key splits fill the GPU when the group has few queries."""
+        if group.rows is None:  # one chunk: its rows are contiguous
+            q0, q1 = group.runs[0][:2]
+            q = query[q0:q1]
+            ranged_cross_attention(q, k, v, group.ranges, scale, out=out[q0:q1],
+                                   num_splits=self._cross_splits(q, k))
+            return
+        q = query.index_select(0, group.rows)
+        o = ranged_cross_attention(q, k, v, group.ranges, scale,
+                                   num_splits=self._cross_splits(q, k))
+        out.index_copy_(0, group.rows, o)
 
     def decode_self(
         self,

@@ -5,9 +5,10 @@ GQA: 0.98 vs 1.35 ms, the causal kernel since removed; 1,024 x 6,404 ranged cros
 0.31 ms; benchmarks/RESULTS.md), so the CUDA back-end uses it too, except for cross prefills
 of few queries over many vision tokens (``triton_prefill.ranged_cross_attention`` with key
 splits fills the GPU there). A prefill chunk (a prompt prefilled over several steps) attends to its
-own earlier chunks through the paged cache: those sequences gather their pages and attend with
-a bottom-right causal mask (SDPA with a boolean mask here; on CUDA the ranged Triton kernel,
-each query's keys being the range [0, its position]). Prefill runs
+own earlier chunks through the paged cache: the step's chunks gather their pages in groups (one
+copy per group and layer, ``ContextGroup``) and attend with a bottom-right causal mask (SDPA
+with a boolean mask here, chunk by chunk; on CUDA the ranged Triton kernel, one call per group,
+each query's keys being the range [its chunk's first key, its position]). Prefill runs
 eagerly, never captured: looping over host lengths is fine.
 """
 
@@ -17,6 +18,8 @@ from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
+
+from vllm.attention.metadata import ContextGroup
 
 
 def _sdpa(
@@ -34,12 +37,12 @@ def _sdpa(
     return o[0].transpose(0, 1)
 
 
-def _paged_rows(cache: torch.Tensor, pages: torch.Tensor, length: int) -> torch.Tensor:
-    """The first ``length`` token rows held by ``pages`` ([n] int64) of one layer's cache
-    ([num_pages, Hkv, page_size, D]) -> [length, Hkv, D]."""
+def gather_pages(cache: torch.Tensor, pages: torch.Tensor) -> torch.Tensor:
+    """Every token row held by ``pages`` ([n] int64) of one layer's cache ([num_pages, Hkv,
+    page_size, D]), page after page -> [n * page_size, Hkv, D]."""
     rows = cache.index_select(0, pages)  # [n, Hkv, P, D]
     n, hkv, p, d = rows.shape
-    return rows.permute(0, 2, 1, 3).reshape(n * p, hkv, d)[:length]
+    return rows.permute(0, 2, 1, 3).reshape(n * p, hkv, d)
 
 
 def attend_after_context(
@@ -47,7 +50,7 @@ def attend_after_context(
 ) -> None:
     """[L, Hq, D] queries at the last L positions of the [S, Hkv, D] keys, causal (query i
     sees keys 0..S-L+i: the causal diagonal aligned to the bottom right), into ``out``.
-    SDPA with a boolean mask: the TORCH back-end's (the TRITON one has a kernel for it)."""
+    SDPA with a boolean mask."""
     length, total = q.shape[0], k.shape[0]
     rows = torch.arange(total - length, total, device=q.device)
     visible = torch.arange(total, device=q.device)[None, :] <= rows[:, None]
@@ -62,7 +65,24 @@ def attend_after_context(
     out.copy_(o[0].transpose(0, 1))
 
 
-AfterContext = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, float, torch.Tensor], None]
+def attend_group_by_chunk(
+    query: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    group: ContextGroup,
+    scale: float,
+    out: torch.Tensor,
+) -> None:
+    """A context group's chunks one by one (``attend_after_context`` on each chunk's slice
+    of the gathered keys): the TORCH back-end's (the TRITON one attends a group in one
+    call)."""
+    for q0, q1, k0, k1 in group.runs:
+        attend_after_context(query[q0:q1], k[k0:k1], v[k0:k1], scale, out[q0:q1])
+
+
+AfterContext = Callable[
+    [torch.Tensor, torch.Tensor, torch.Tensor, ContextGroup, float, torch.Tensor], None
+]
 
 
 def varlen_causal_attention(
@@ -72,30 +92,29 @@ def varlen_causal_attention(
     seq_lens: list[int],
     scale: float,
     context_lens: list[int] | None = None,
-    context_pages: list[torch.Tensor | None] | None = None,
+    context_groups: list[ContextGroup] | None = None,
     kv_cache: tuple[torch.Tensor, torch.Tensor] | None = None,
-    after_context: AfterContext = attend_after_context,
+    after_context: AfterContext = attend_group_by_chunk,
 ) -> torch.Tensor:
     """Causal attention within each packed sequence. A sequence with ``context_lens[i]`` > 0
-    is a prefill chunk: its tokens continue ``context_lens[i]`` tokens whose K/V are in the
-    pages ``context_pages[i]`` of ``kv_cache``, where this chunk's K/V were written too (the
-    layer writes before it attends), so it attends to all of them (``after_context``). Rows
-    after the last sequence (a padded step's) are left unwritten."""
+    is a prefill chunk: its tokens continue ``context_lens[i]`` tokens whose K/V are in its
+    pages of ``kv_cache``, where this chunk's K/V were written too (the layer writes before
+    it attends), so it attends to all of them. Such chunks are read by ``context_groups``
+    (``ContextGroup``): each group's pages are gathered once, then ``after_context`` attends
+    the group's queries (``group.runs``) into ``out``. Rows after the last sequence (a padded
+    step's) are left unwritten."""
     out = torch.empty_like(query)
     start = 0
     for i, n in enumerate(seq_lens):
         end = start + n
-        ctx = context_lens[i] if context_lens is not None else 0
-        if ctx == 0:
+        if not (context_lens and context_lens[i]):
             out[start:end] = _sdpa(query[start:end], key[start:end], value[start:end], scale, True)
-        else:
-            assert kv_cache is not None and context_pages is not None
-            pages = context_pages[i]
-            assert pages is not None
-            k = _paged_rows(kv_cache[0], pages, ctx + n)
-            v = _paged_rows(kv_cache[1], pages, ctx + n)
-            after_context(query[start:end], k, v, scale, out[start:end])
         start = end
+    for group in context_groups or ():
+        assert kv_cache is not None
+        k = gather_pages(kv_cache[0], group.pages)
+        v = gather_pages(kv_cache[1], group.pages)
+        after_context(query, k, v, group, scale, out)
     return out
 
 
