@@ -5,8 +5,9 @@
 A second chat turn as ``benchmarks.prefix_chat`` sends it (a 1,120-pixel noise JPEG resent as
 a data URL, ``--history-words`` words of history, a short reply and a new question) goes
 through the server's input steps, each timed alone (median of ``--repeat``): the body's JSON
-parse and validation, the chat template, tokenization (whole, and piece by piece with the
-history's ids cached: ``segment_tokenizer``), the data URL's key, and input processing on a
+parse (``json.loads`` and the server's ``parse_json_body``) and validation, the chat
+template, tokenization (whole, and piece by piece with the history's ids cached:
+``segment_tokenizer``), the data URL's key, and input processing on a
 processed-image cache hit (the pixels as the cache entry itself, and stacked into a fresh
 tensor as before; pinned where CUDA is available). Prints one line per step.
 """
@@ -26,6 +27,7 @@ import torch
 from vllm.entrypoints.chat_utils import parse_conversation, render_chat_prompt
 from vllm.entrypoints.cli.benchmark.serve_client import _WORDS, noise_jpeg_data_url
 from vllm.entrypoints.openai.protocol import ChatCompletionRequest
+from vllm.entrypoints.openai.routes import parse_json_body
 from vllm.multimodal.image import decode_image, parse_data_url
 from vllm.multimodal.image_identity import HashedImage, data_url_key
 from vllm.multimodal.processing import MllamaInputProcessor
@@ -79,6 +81,8 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> None:
     rows: list[tuple[str, float]] = []
     obj = json.loads(body)
     rows.append(("body: json.loads", _median_ms(lambda: json.loads(body), n)))
+    rows.append(("body: parse_json_body (the server's)",
+                 _median_ms(lambda: parse_json_body(body), n)))  # fmt: skip
     req = ChatCompletionRequest.model_validate(obj)
     rows.append(
         ("body: validation", _median_ms(lambda: ChatCompletionRequest.model_validate(obj), n))

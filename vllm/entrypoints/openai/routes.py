@@ -7,10 +7,14 @@ chat or a completion body), ``/tokenize`` and ``/detokenize``.
 
 from __future__ import annotations
 
+import json
+from collections.abc import Callable, Coroutine
 from typing import Any
 
+import pydantic_core
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
+from fastapi.routing import APIRoute
 from pydantic import ValidationError
 from starlette.responses import PlainTextResponse, Response
 
@@ -99,8 +103,43 @@ def _add_probe_routes(app: FastAPI, ctx: ServerContext) -> None:
         return Response(ctx.metrics.render(), media_type=CONTENT_TYPE)
 
 
+def parse_json_body(body: bytes) -> Any:
+    """``json.loads(body)``, faster: pydantic-core's parser (about 7x faster on a chat body
+    that carries a 1.5 MB data URL: ``python -m benchmarks.profiling inputs``), with
+    ``json.loads`` itself on anything that parser refuses (lone surrogates, a BOM, UTF-16,
+    every malformed body), so each body is either read as ``json.loads`` reads it or fails
+    with ``json.loads``'s own error."""
+    try:
+        return pydantic_core.from_json(body)
+    except ValueError:
+        return json.loads(body)
+
+
+class JSONBodyRequest(Request):
+    """A request whose JSON body is read by ``parse_json_body`` (FastAPI reads a body
+    parameter through ``Request.json``, as do the routes that parse their own body)."""
+
+    async def json(self) -> Any:
+        if not hasattr(self, "_parsed_json"):
+            self._parsed_json = parse_json_body(await self.body())
+        return self._parsed_json
+
+
+class JSONBodyRoute(APIRoute):
+    """Routes whose handlers get a ``JSONBodyRequest``."""
+
+    def get_route_handler(self) -> Callable[[Request], Coroutine[Any, Any, Response]]:
+        handler = super().get_route_handler()
+
+        async def route(request: Request) -> Response:
+            return await handler(JSONBodyRequest(request.scope, request.receive))
+
+        return route
+
+
 def add_routes(app: FastAPI, ctx: ServerContext) -> None:
-    """Every route of the server, over the handlers of ``ctx``."""
+    """Every route of the server, over the handlers of ``ctx`` (``JSONBodyRoute``s)."""
+    app.router.route_class = JSONBodyRoute
     chat = OpenAIServingChat(ctx)
     completion = OpenAIServingCompletion(ctx)
     tokenization = OpenAIServingTokenization(ctx)
