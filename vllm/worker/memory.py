@@ -141,15 +141,20 @@ def prefill_activation_estimate(config: VllmConfig) -> int:
 
 
 def context_gather_bytes(config: VllmConfig) -> int:
-    """Bytes a prefill chunk with context holds beyond what the profile (chunks without
-    context) measures: its layer's keys and values of up to max_model_len tokens gathered from
-    the pages (``ops/sdpa.py``), one of them twice while it is gathered, plus one more for the
-    allocator's slack. Only chunked prefill continues a sequence from its pages."""
+    """Bytes the prefill chunks with context hold beyond what the profile (chunks without
+    context) measures: a group's layer keys and values of up to max_model_len tokens gathered
+    from the pages (``ops/sdpa.py``; ``build_prefill_batch`` bounds a group so), one of them
+    twice while it is gathered, plus one more for the allocator's slack; and the queries of a
+    group of several chunks picked out of the step and their output (the TRITON back-end),
+    at most the step's token budget of rows each. Only chunked prefill continues a sequence
+    from its pages."""
     if not config.scheduler_config.enable_chunked_prefill:
         return 0
     t = config.model_config.spec.text
     elem = torch.empty((), dtype=config.model_config.dtype).element_size()
-    return 4 * config.model_config.max_model_len * t.num_key_value_heads * t.head_dim * elem
+    gather = 4 * config.model_config.max_model_len * t.num_key_value_heads * t.head_dim
+    rows = 2 * config.scheduler_config.max_num_batched_tokens * t.num_attention_heads * t.head_dim
+    return (gather + rows) * elem
 
 
 def check_device_memory(config: VllmConfig, total_bytes: int) -> None:
