@@ -27,6 +27,10 @@ COMMANDS = {
         "one layer's self-attention of a step of chunks after cached prefixes: launches, "
         "GPU and host time",
     ),
+    "handoff": (
+        "benchmarks.profiling.handoff",
+        "the engine thread's cost of handing outputs to the event loop, per step",
+    ),
     "inputs": (
         "benchmarks.profiling.turn_inputs",
         "a chat turn's input steps on the host: JSON, template, tokenization, image lookup",

@@ -3,9 +3,9 @@
 The event loop never runs model steps or image processing: input processing (tokenising,
 image decoding and tiling) runs in a thread pool, and the engine thread owns the
 ``LLMEngine``. Commands (add, abort) reach the engine thread through a queue; outputs come back
-to per-request asyncio queues with ``call_soon_threadsafe``. If the engine loop itself fails,
-every pending request gets :class:`EngineDeadError` and health checks fail; one bad request
-only fails itself.
+to per-request asyncio queues, a step's outputs with one ``call_soon_threadsafe``. If the
+engine loop itself fails, every pending request gets :class:`EngineDeadError` and health
+checks fail; one bad request only fails itself.
 """
 
 from __future__ import annotations
@@ -14,6 +14,7 @@ import asyncio
 import queue
 import threading
 import traceback
+import weakref
 from collections.abc import AsyncIterator, Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -103,15 +104,58 @@ class _Abort:
     request_id: str
 
 
+class _Outbox:
+    """Outputs bound for one event loop's queues, handed over in batches: the engine thread
+    appends, and wakes the loop only when no delivery is pending already, so a step's
+    outputs for N streams cost one wake-up of the loop instead of N. (Each wake-up writes to
+    the loop's self-pipe; the write releases the GIL, and the engine thread then waits to
+    get it back from the woken loop.) Per queue, items arrive in the order put."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self.loop = loop
+        self._lock = threading.Lock()
+        self._items: list[tuple[asyncio.Queue, Any]] = []
+        self._pending = False
+
+    def put(self, queue_: asyncio.Queue, item: Any) -> None:
+        with self._lock:
+            self._items.append((queue_, item))
+            if self._pending:
+                return
+            self._pending = True
+        try:
+            self.loop.call_soon_threadsafe(self._deliver)
+        except BaseException:
+            with self._lock:
+                self._pending = False
+            raise
+
+    def _deliver(self) -> None:
+        with self._lock:
+            items, self._items, self._pending = self._items, [], False
+        for queue_, item in items:
+            queue_.put_nowait(item)
+
+
+_OUTBOXES: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, _Outbox] = (
+    weakref.WeakKeyDictionary())
+_OUTBOXES_LOCK = threading.Lock()
+
+
 class _Stream:
-    """A request's output queue on the event loop."""
+    """A request's output queue on the event loop (fed through the loop's ``_Outbox``)."""
 
     def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
         self.loop = loop
         self.queue: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
+        with _OUTBOXES_LOCK:
+            outbox = _OUTBOXES.get(loop)
+            if outbox is None:
+                outbox = _OUTBOXES[loop] = _Outbox(loop)
+        self._outbox = outbox
 
     def put(self, item: RequestOutput | BaseException) -> None:
-        self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
+        self._outbox.put(self.queue, item)
 
 
 class AsyncLLMEngine:
