@@ -27,6 +27,10 @@ COMMANDS = {
         "one layer's self-attention of a step of chunks after cached prefixes: launches, "
         "GPU and host time",
     ),
+    "admission": (
+        "benchmarks.profiling.admission",
+        "the engine thread's time admitting a cached prompt (Scheduler.schedule)",
+    ),
     "handoff": (
         "benchmarks.profiling.handoff",
         "the engine thread's cost of handing outputs to the event loop, per step",

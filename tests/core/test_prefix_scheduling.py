@@ -154,10 +154,14 @@ event = st.tuples(
     chunked=st.booleans(),
     budget=st.sampled_from([6, 16, 48]),
     pages=st.integers(40, 90),
+    keyed=st.lists(st.booleans(), min_size=1),
 )
 def test_cached_pages_hold_what_the_reader_would_write(
-    convs, events, chunked, budget, pages
+    convs, events, chunked, budget, pages, keyed
 ) -> None:
+    """``keyed`` picks the requests whose prompt keys come made with their inputs
+    (``BlockManager.key_prompt``, as the engine's input processing makes them) rather than at
+    admission."""
     if not chunked:
         budget = MAX_LEN
     config = SchedulerConfig(
@@ -189,9 +193,12 @@ def test_cached_pages_hold_what_the_reader_would_write(
                 state[i][3] = None
                 continue
             rid = f"{i}.{turn}"
+            inputs = _inputs(ids, images, salt)
+            if keyed[(i + turn) % len(keyed)]:
+                inputs = sim.bm.key_prompt(inputs)
             req = Request(
                 rid,
-                _inputs(ids, images, salt),
+                inputs,
                 SamplingParams(max_tokens=max_tokens, n=n, ignore_eos=True),
                 arrival_time=float(step),
             )
@@ -255,3 +262,38 @@ def test_second_turn_computes_only_its_new_tokens() -> None:
             sim.run(sim.sched.schedule(), token=2)
         assert sim.computed == len(second), rid
     sim.bm.pool.check_integrity([])
+
+
+def test_prompt_keys_made_with_the_inputs_are_the_admission_keys() -> None:
+    """Keys made when the inputs are processed equal those admission would make, and
+    admission makes none for the prompt's pages then; each sequence (n > 1 siblings) extends
+    its own copy."""
+    from vllm.core import prefix_keys
+
+    bm = BlockManager(64, BLOCK, 8, enable_prefix_caching=True)
+    ids = [5, IMAGE, 6, 7, 8, 9, 10, 11, 12, 13, 14]
+    params = SamplingParams(max_tokens=2, n=2, temperature=1)
+
+    def seq(request: Request, i: int) -> Sequence:
+        return Sequence(i, request, i, list(ids))
+
+    lazy = Request("a", _inputs(ids, [0], "s"), params)
+    made = bm.key_prompt(_inputs(ids, [0], "s"))
+    assert made.page_chain is not None and len(made.page_chain.keys) == len(ids) // BLOCK
+    eager = Request("b", made, params)
+    calls = []
+    original = prefix_keys.page_key
+    prefix_keys.page_key = lambda *a: calls.append(1) or original(*a)
+    try:
+        first, second = seq(eager, 0), seq(eager, 1)
+        keys = bm._lookup_keys(first)
+        bm._lookup_keys(second)
+        assert calls == []  # nothing hashed at admission
+        first.page_keys.update(ids + [1] * BLOCK)  # an output page, on one sibling only
+        assert len(calls) == 1
+        assert len(second.page_keys.keys) == len(made.page_chain.keys) == len(ids) // BLOCK
+    finally:
+        prefix_keys.page_key = original
+    assert keys and keys == bm._lookup_keys(seq(lazy, 2))
+    off = BlockManager(64, BLOCK, 8, enable_prefix_caching=False)
+    assert off.key_prompt(_inputs(ids, [0], None)).page_chain is None

@@ -8,11 +8,13 @@ counted: n > 1 siblings share their full prompt pages and their request's cross 
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Iterable
 
 from vllm.core.prefix_cache import NULL_PAGE, CachingPagePool, NoFreePages
 from vllm.core.prefix_keys import chain_for, cross_key_for, images_seen, max_cached_pages
 from vllm.core.sequence import Request, Sequence
+from vllm.multimodal.processing import ProcessedInputs
 
 __all__ = ["NULL_PAGE", "BlockManager", "NoFreePages"]
 
@@ -42,9 +44,12 @@ class BlockManager:
 
     # ------------------------------------------------------------------ prefix cache
     def _caches(self, request: Request) -> bool:
-        """Whether the request's pages are keyed: caching is on and every image has its
+        return self._keyed(request.inputs)
+
+    def _keyed(self, inputs: ProcessedInputs) -> bool:
+        """Whether a request's pages are keyed: caching is on and every image has its
         identity (inputs built without digests are never shared)."""
-        images = request.inputs.images
+        images = inputs.images
         return self.enable_prefix_caching and (
             images is None or len(images.digests) == images.num_images)
 
@@ -58,9 +63,22 @@ class BlockManager:
         chain.update(seq.token_ids)
         return chain.keys[: max_cached_pages(len(seq), self.block_size)]
 
+    def key_prompt(self, inputs: ProcessedInputs) -> ProcessedInputs:
+        """``inputs`` with its prompt's page keys (``ProcessedInputs.page_chain``) when
+        prefix caching is on. Pure: the server calls it in its input threads."""
+        if not self._keyed(inputs):
+            return inputs
+        chain = chain_for(inputs, self.block_size)
+        chain.update(inputs.prompt_token_ids)
+        return dataclasses.replace(inputs, page_chain=chain)
+
     def _chain(self, seq: Sequence):
         if seq.page_keys is None:
-            seq.page_keys = chain_for(seq.request.inputs, self.block_size)
+            made = seq.request.inputs.page_chain
+            if made is not None and made.block_size == self.block_size:
+                seq.page_keys = made.fork()  # each sequence extends its own copy
+            else:
+                seq.page_keys = chain_for(seq.request.inputs, self.block_size)
         return seq.page_keys
 
     def probe_prefill(self, seqs: list[Sequence]) -> tuple[int, int]:

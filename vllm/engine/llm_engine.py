@@ -185,7 +185,9 @@ class LLMEngine:
         return params
 
     def process_inputs(self, prompt: Any) -> Any:
-        return self.input_processor.process(prompt)
+        """The prompt's validated inputs, with its page keys under prefix caching (the
+        server runs this in its input threads, so the engine loop does not hash prompts)."""
+        return self.block_manager.key_prompt(self.input_processor.process(prompt))
 
     def add_request(self, request_id: str, prompt: Any, params: SamplingParams | None = None,
                     arrival_time: float | None = None, processed: Any = None,

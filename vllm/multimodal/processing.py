@@ -70,6 +70,10 @@ class ProcessedInputs:
     image_token: str = "<|image|>"
     # vLLM's request field: requests share cached KV only when their salts are equal.
     cache_salt: str | None = None
+    # With prefix caching, the prompt's page keys (``core.prefix_keys.PageKeyChain``), made
+    # when the inputs are processed (off the engine loop in the server), so that admission
+    # does not hash the prompt again.
+    page_chain: Any = None
 
     def image_token_offsets(self) -> list[int]:
         """Start of each image in the request's packed vision tokens (plus the total)."""
