@@ -37,7 +37,7 @@ HEADS, KV_HEADS, HEAD_DIM, PAGE = 32, 8, 128, 16
 _NO_LAUNCH = {
     "view", "_unsafe_view", "permute", "slice", "select", "transpose", "t", "unsqueeze",
     "squeeze", "expand", "as_strided", "alias", "detach", "empty", "empty_like",
-    "empty_strided", "lift_fresh", "_to_copy_no_op", "split", "unbind",
+    "empty_strided", "lift_fresh", "split", "unbind",
 }
 
 

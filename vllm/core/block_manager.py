@@ -43,10 +43,7 @@ class BlockManager:
         return -(-request.inputs.encoder_seq_len // self.cross_block_size)
 
     # ------------------------------------------------------------------ prefix cache
-    def _caches(self, request: Request) -> bool:
-        return self._keyed(request.inputs)
-
-    def _keyed(self, inputs: ProcessedInputs) -> bool:
+    def _caches(self, inputs: ProcessedInputs) -> bool:
         """Whether a request's pages are keyed: caching is on and every image has its
         identity (inputs built without digests are never shared)."""
         images = inputs.images
@@ -57,7 +54,7 @@ class BlockManager:
         """The keys of the sequence's pages it may take from the cache (none when caching
         is off or the request asks for prompt logprobs, which need every token computed)."""
         req = seq.request
-        if not self._caches(req) or req.params.prompt_logprobs is not None:
+        if not self._caches(req.inputs) or req.params.prompt_logprobs is not None:
             return []
         chain = self._chain(seq)
         chain.update(seq.token_ids)
@@ -66,7 +63,7 @@ class BlockManager:
     def key_prompt(self, inputs: ProcessedInputs) -> ProcessedInputs:
         """``inputs`` with its prompt's page keys (``ProcessedInputs.page_chain``) when
         prefix caching is on. Pure: the server calls it in its input threads."""
-        if not self._keyed(inputs):
+        if not self._caches(inputs):
             return inputs
         chain = chain_for(inputs, self.block_size)
         chain.update(inputs.prompt_token_ids)
@@ -92,7 +89,7 @@ class BlockManager:
         return hits, evictable
 
     def _cross_key(self, request: Request) -> bytes | None:
-        if not self._caches(request):
+        if not self._caches(request.inputs):
             return None
         if request.cross_key is None:
             request.cross_key = cross_key_for(request.inputs)
@@ -164,7 +161,7 @@ class BlockManager:
     def cache_written(self, seq: Sequence, num_written: int) -> None:
         """Registers the sequence's full pages among its first ``num_written`` tokens (their
         K/V written by a step whose results were collected)."""
-        if not self._caches(seq.request) or not seq.block_table or seq.status.finished:
+        if not self._caches(seq.request.inputs) or not seq.block_table or seq.status.finished:
             return
         full = min(num_written, len(seq)) // self.block_size
         if full <= seq.num_cached_pages:
