@@ -39,10 +39,6 @@ for r in rep["nf4"]:
              r.get("nf4_best_table", nan),
              r.get("bnb_matmul_4bit", nan)]
     print(f"{r['shape']:8s} {r['m']:2d} " + "  ".join(f"{c['us']:6.1f} ({c['pct_read']:4.1f})" for c in cells))
-print("dequantize + F.linear, us: tiles / lanes")
-for r in rep["nf4"]:
-    print(f"{r['shape']:8s} {r['m']:2d} {r['scratch']['us']:7.1f} / "
-          f"{r.get('scratch_lanes', nan)['us']:7.1f}")
 PY
 fi
 engine() {  # engine TAG FORMATS

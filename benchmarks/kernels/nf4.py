@@ -215,9 +215,6 @@ def bench_row(x: torch.Tensor, c: Copies, silu: bool, do_sweep: bool, bw: dict) 
     row["scratch"] = entry(
         time_calls(lambda q: F.linear(x, nf4_gemm.dequantize(q, c.scratch)), c.qws)
     )
-    row["scratch_lanes"] = entry(  # the lane dequantization, a candidate
-        time_calls(lambda q: F.linear(x, nf4_gemm.dequantize(q, c.scratch, lanes=True)), c.qws)
-    )
     cfg = nf4_gemm.decode_config(m, out_n, k, silu=silu, device_name=gpu)
     if cfg is not None:
         row["nf4"] = {**entry(time_calls(lambda q: run(x, q, cfg), c.qws)), "config": str(cfg)}

@@ -46,19 +46,12 @@ CASES = [
 
 
 @pytest.mark.parametrize(("shards", "k", "qt", "bs", "nested", "dtype"), CASES)
-@pytest.mark.parametrize("lanes", [False, True], ids=["tiles", "lanes"])
-def test_dequantized_tile_is_bitwise_dequantize_4bit(
-    shards, k, qt, bs, nested, dtype, lanes
-) -> None:
-    """Both dequantization kernels: the tile one and the lane one (a lane a 64-value chunk,
-    16-bit outputs, blocks of 64 and up)."""
-    if lanes and (dtype == torch.float32 or bs < 64):
-        pytest.skip("the lane dequantization writes 16-bit values from blocks of 64 and up")
+def test_dequantized_tile_is_bitwise_dequantize_4bit(shards, k, qt, bs, nested, dtype) -> None:
     layer, ref = bnb_layer(shards, k, qt, bs, nested, dtype)
     fmt = layer.fmt
     assert isinstance(fmt, Bnb4bitFormat)
     out = torch.full_like(ref, float("nan"))
-    nf4_gemm.dequantize(fmt.quantized_weight(layer), out, lanes=lanes)
+    nf4_gemm.dequantize(fmt.quantized_weight(layer), out)
     assert same_bits(out, ref)
     assert same_bits(fmt.dequantize(layer, dtype), ref)  # the torch path, the same values
 
@@ -278,11 +271,6 @@ def test_table_pair_and_mma_kernels_refuse_what_they_cannot_run() -> None:
         nf4_gemm.nf4_gemm(x, qw, Nf4Config(8, 64, 2, mma=True))
     with pytest.raises(ValueError, match="8 or 16 rows and 4 blocks"):
         nf4_gemm.nf4_gemm(x, qw, Nf4Config(32, 64, 4, mma=True))
-    with pytest.raises(ValueError, match="16-bit values"):
-        nf4_gemm.dequantize(qw, torch.empty(64, 256, device=DEVICE), lanes=True)
-    with pytest.raises(ValueError, match="16-byte aligned"):
-        rows = torch.empty(64, 260, device=DEVICE, dtype=torch.bfloat16)[:, :256]
-        nf4_gemm.dequantize(qw, rows, lanes=True)
     wide_blocks, _ = bnb_layer([64], 512, "nf4", 128, True)  # four blocks of 128
     with pytest.raises(ValueError, match="blocks of 64"):
         qw = wide_blocks.fmt.quantized_weight(wide_blocks)

@@ -1042,67 +1042,6 @@ def _dequant_kernel(w_ptr, s_ptr, code_ptr, n2_ptr, nc_ptr, sh_ptr, off_ptr, out
     cols = k0 + tl.arange(0, BLOCK_K)
     out_ptrs = out_ptr + rows.to(tl.int64)[:, None] * out_stride + cols[None, :]
     tl.store(out_ptrs, _round_to(w, out_ptr.dtype.element_ty, EXACT_BF16), mask=row_ok[:, None])
-
-
-# A lane's 64 values (two halves of four packed words) looked up in its table: output q of
-# a half (four registers) holds word q's four pairs, the 16-bit values in memory order.
-# Operands: $0-$15 the four outputs, $16-$19 the words, $20-$23 and $24-$27 the table's low
-# and high planes.
-def _words4_ptx() -> str:
-    table = tuple(f"${i}" for i in range(20, 28))
-    parts = []
-    for q in range(4):
-        outs = [(f"${4 * q + r}", "0x4051" if r % 2 == 0 else "0x6273") for r in range(4)]
-        parts.append(_nibble_lookup_ptx([(table, outs[:2]), (table, outs[2:])], f"${16 + q}"))
-    return "{\n" + "\n".join(parts) + "\n}"
-
-
-_WORDS4_PTX = tl.constexpr(_words4_ptx())
-_WORDS4_CONSTRAINTS = tl.constexpr(",".join(["=r"] * 16 + ["r"] * 12))
-
-
-@triton.jit
-def _dequant_lanes_kernel(w_ptr, s_ptr, code_ptr, n2_ptr, nc_ptr, sh_ptr, off_ptr, out_ptr, N,
-                          out_stride, K: tl.constexpr, BLOCKSIZE: tl.constexpr,
-                          NESTED: tl.constexpr, NUM_SHARDS: tl.constexpr, LANES: tl.constexpr,
-                          EXACT_BF16: tl.constexpr, EXACT_MUL: tl.constexpr, PTX: tl.constexpr):
-    # Lane e of the grid writes the 64 values of chunk e % (K / 64) of weight row e // (K / 64)
-    # (consecutive lanes, consecutive chunks of a row): its table is built once, its 32 bytes
-    # read and its 128 written 16 bytes at a time. 16-bit outputs, blocks of 64 and up.
-    CH: tl.constexpr = K // 64
-    e = tl.program_id(0).to(tl.int64) * LANES + tl.arange(0, LANES)
-    ok = e < N.to(tl.int64) * CH
-    row = tl.minimum(e // CH, N - 1)
-    ch = e % CH
-    start = tl.zeros_like(row)
-    base = start
-    offset = tl.zeros((LANES,), dtype=tl.float32)
-    if NESTED:
-        start, base, offset = _shard_of(sh_ptr, off_ptr, row.to(tl.int32), NUM_SHARDS)
-    scale = _mma_scale(s_ptr, n2_ptr, nc_ptr, row, start, base, offset, ch * 64 // BLOCKSIZE, K,
-                       NESTED, EXACT_MUL, BLOCKSIZE)
-    dt = out_ptr.dtype.element_ty
-    lo, hi = _mma_table(code_ptr, scale, dt, EXACT_BF16, PTX)
-    four = tl.arange(0, 4)[None, :]
-    src = w_ptr.to(tl.pointer_type(tl.uint32)) + (row * (K // 8) + ch * 8)[:, None] + four
-    mask = ok[:, None]
-    for h in tl.static_range(2):
-        words = tl.load(src + 4 * h)
-        if PTX:
-            dst = out_ptr.to(tl.pointer_type(tl.uint32)) + (
-                row * (out_stride // 2) + ch * 32 + 16 * h)[:, None] + four
-            p0, p1, p2, p3 = tl.inline_asm_elementwise(
-                _WORDS4_PTX, _WORDS4_CONSTRAINTS, [words, lo, hi],
-                dtype=(tl.uint32, tl.uint32, tl.uint32, tl.uint32), is_pure=True, pack=4)
-            tl.store(dst, p0, mask=mask)
-            tl.store(dst + 4, p1, mask=mask)
-            tl.store(dst + 8, p2, mask=mask)
-            tl.store(dst + 12, p3, mask=mask)
-        else:
-            v = _mma_values(words, lo, hi, dt)  # [LANES, 32], exact in dt
-            dst = out_ptr + (row * out_stride + ch * 64 + 32 * h)[:, None]
-            dst = dst + tl.arange(0, 32)[None, :]
-            tl.store(dst, v.to(dt), mask=mask)
 # fmt: on
 
 
@@ -1247,28 +1186,11 @@ def _num_shards(qw: QuantizedWeight) -> int:
     return qw.shard_index.shape[0] if qw.shard_index is not None else 1
 
 
-def dequantize(
-    qw: QuantizedWeight, out: torch.Tensor, block_n: int = 32, lanes: bool = False
-) -> torch.Tensor:
+def dequantize(qw: QuantizedWeight, out: torch.Tensor, block_n: int = 32) -> torch.Tensor:
     """Writes the whole matrix into ``out`` ([N, K], unit column stride, the activation dtype):
-    the values ``bitsandbytes.functional.dequantize_4bit`` gives, bitwise. ``lanes``: a lane
-    a 64-value chunk looked up with byte permutes (16-bit outputs, blocks of 64 and up, rows
-    16-byte aligned), a candidate the benchmarks time against the tile kernel."""
+    the values ``bitsandbytes.functional.dequantize_4bit`` gives, bitwise."""
     n, k = qw.shape
     assert out.shape == (n, k) and out.stride(1) == 1
-    if lanes:
-        if out.dtype not in (torch.bfloat16, torch.float16) or qw.blocksize < 64:
-            raise ValueError("the lane dequantization writes 16-bit values from blocks of 64+")
-        if out.stride(0) % 8 or out.data_ptr() % 16:
-            raise ValueError("the lane dequantization writes 16-byte aligned rows")
-        lanes_n = 128
-        _dequant_lanes_kernel[(triton.cdiv(n * (k // 64), lanes_n),)](
-            *_pointers(qw), out, n, out.stride(0),
-            K=k, BLOCKSIZE=qw.blocksize, NESTED=qw.nested, NUM_SHARDS=_num_shards(qw),
-            LANES=lanes_n, EXACT_BF16=_INTERPRETED, EXACT_MUL=not _INTERPRETED,
-            PTX=not _INTERPRETED, num_warps=lanes_n // 32,
-        )  # fmt: skip
-        return out
     bk = _block_k(k)
     grid = (triton.cdiv(n, block_n), k // bk)
     _dequant_kernel[grid](
