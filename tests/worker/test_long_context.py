@@ -79,8 +79,7 @@ def test_default_max_model_len_is_the_models_full_context_with_chunking() -> Non
 
 def _small_pool(max_model_len: int, pool_tokens: int):
     # The CPU pool's size is set in bytes; on a GPU it follows the card's memory.
-    cfg = _config(max_model_len, 64, max_num_seqs=2, limit_mm_per_prompt={"image": 1},
-                  device="cpu")
+    cfg = _config(max_model_len, 64, max_num_seqs=2, limit_mm_per_prompt={"image": 1}, device="cpu")
     lo = memory.PageLayout.for_model(
         cfg.model_config.spec, cfg.cache_config.block_size, cfg.model_config.dtype
     )
