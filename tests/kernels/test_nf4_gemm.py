@@ -229,6 +229,61 @@ def test_kernel_tables_and_their_results() -> None:
         torch.testing.assert_close(fp32(x), fp32.fmt.torch_kernel(fp32)(x, None))
 
 
+def test_prefill_rows_take_the_gemm_up_to_the_tuned_row_counts(monkeypatch, tmp_path) -> None:
+    """Row counts outside the decode buckets (prefill chunks) run the GEMM of the first tuned
+    entry with at least as many rows, and the scratch path (bitwise the torch path) at a
+    "scratch" entry, above the last entry and for inputs that are not [M, K] rows; gate|up's
+    SiLU kernel likewise, with the separate activation on the scratch path."""
+    from vllm.model_executor.layers.quantization import bitsandbytes as bnb_format
+    from vllm.model_executor.layers.tuned_configs import TunedTables
+
+    layer, _ = bnb_layer([80, 80], 256)
+    qw = layer.fmt.quantized_weight(layer)
+    mma, table = Nf4Config(8, 64, 4, 1, mma=True), Nf4Config(16, 64, 1, 2, table=True)
+    tuned = TunedTables(tmp_path, Nf4Config)
+    key, silu_key = nf4_gemm.table_key(160, 256, 64, False), nf4_gemm.table_key(80, 256, 64, True)
+    tuned.merge(
+        "Test GPU",
+        [
+            (key, 8, vars(mma)),
+            (key, 32, vars(table)),
+            (key, 64, "scratch"),
+            (silu_key, 32, vars(table)),
+        ],
+    )
+    monkeypatch.setattr(nf4_gemm, "TUNED", tuned)
+    monkeypatch.setattr(bnb_format, "_device_name", lambda target: "Test GPU")
+    layer.select_kernels(KernelTarget(torch.device(DEVICE), fused=True, row_buckets=(1,)))
+    torch_path = layer.fmt.torch_kernel(layer)
+    with set_forward_context(None, row_bucket=1):  # the any-rows entry
+        silu = layer.silu_kernel()
+        assert silu is not None
+        for m, cfg, silu_cfg in [
+            (3, mma, table),
+            (8, mma, table),
+            (9, table, table),
+            (32, table, table),
+            (33, None, None),
+            (64, None, None),
+            (65, None, None),
+        ]:
+            x = torch.randn(m, 256).to(DEVICE, torch.bfloat16)
+            plain = torch_path(x, None)
+            want = plain if cfg is None else nf4_gemm.nf4_gemm(x, qw, cfg)
+            assert torch.equal(layer(x), want), m
+            if cfg is not None:  # the GEMM, not the scratch path
+                torch.testing.assert_close(want, plain, rtol=2**-7, atol=1e-3)
+            want = (
+                silu_and_mul(plain) if silu_cfg is None else nf4_gemm.nf4_gemm_silu(x, qw, silu_cfg)
+            )
+            assert torch.equal(silu(x), want), m
+        x = torch.randn(2, 3, 256).to(DEVICE, torch.bfloat16)  # not rows: the scratch path
+        assert torch.equal(layer(x), torch_path(x, None))
+    monkeypatch.setattr(bnb_format, "_device_name", lambda target: "Untuned GPU")
+    layer.select_kernels(KernelTarget(torch.device(DEVICE), fused=True, row_buckets=(1,)))
+    assert _kinds(layer._kernels)[-1] == "scratch" and layer._silu_kernels[-1] is None
+
+
 @pytest.mark.gpu
 def test_graph_replay_equals_eager() -> None:
     """Same bucket, same kernel: a captured 4-bit GEMM replays bitwise what eager computes."""

@@ -1146,14 +1146,38 @@ def decode_config(
     path. The tuned table's entry for this GPU and shape (that of the smallest tuned row
     count >= m) where there is one it can run, else ``heuristic_config``."""
     found, cfg = TUNED.lookup(device_name, table_key(n, k, blocksize, silu), m)
-    runs = cfg is None or (
-        cfg.fits(k, blocksize)
-        and cfg.serves(m)
-        and (not cfg.table or dtype in (torch.bfloat16, torch.float16))
-    )
-    if found and runs:
+    if found and (cfg is None or _runs(cfg, m, k, blocksize, dtype)):
         return cfg
     return heuristic_config(m, n, k, blocksize, dtype)
+
+
+def _runs(cfg: Nf4Config, m: int, k: int, blocksize: int, dtype: torch.dtype) -> bool:
+    sixteen = dtype in (torch.bfloat16, torch.float16)
+    return (
+        cfg.fits(k, blocksize)
+        and cfg.serves(m)
+        and (sixteen or not (cfg.table or cfg.pairs or cfg.mma))
+    )
+
+
+def prefill_configs(
+    n: int,
+    k: int,
+    blocksize: int = 64,
+    silu: bool = False,
+    device_name: str = "",
+    dtype: torch.dtype = torch.bfloat16,
+) -> list[tuple[int, Nf4Config | None]]:
+    """What row counts outside the decode buckets (prefill chunks, eager) run, as ascending
+    (up to this many rows, the GEMM's config or None for the scratch path): this GPU's tuned
+    entries for the shape, nothing guessed. ``m`` rows take the first entry with at least
+    ``m``; more rows than the last entry take the scratch path, which wins at large row
+    counts (``benchmarks/RESULTS.md``). Empty: every row count takes the scratch path."""
+    steps = TUNED.entries(device_name, table_key(n, k, blocksize, silu))
+    return [
+        (rows, cfg if cfg is not None and _runs(cfg, rows, k, blocksize, dtype) else None)
+        for rows, cfg in steps
+    ]
 
 
 def _block_k(k: int, preferred: int = 128) -> int:

@@ -52,6 +52,11 @@ class TunedTables(Generic[C]):
             return False, None
         return True, rows[tuned[0]]  # type: ignore[index]
 
+    def entries(self, device_name: str, key: str) -> list[tuple[int, C | None]]:
+        """Every (row count, entry) this GPU model's table holds for ``key``, ascending."""
+        rows = self._load(device_name).get(key) if device_name else None
+        return sorted((rows or {}).items())
+
     def merge(self, device_name: str, entries: list[tuple[str, int, object]]) -> Path:
         """Writes (key, rows, a config's fields or ``"scratch"``) entries into this GPU
         model's table, keeping its other entries; returns the path."""

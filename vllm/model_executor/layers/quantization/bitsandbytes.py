@@ -19,6 +19,7 @@ path) every entry dequantizes with torch (``bnb_codec``) and runs ``F.linear``.
 
 from __future__ import annotations
 
+import bisect
 import functools
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, replace
@@ -327,16 +328,39 @@ class Bnb4bitFormat(LinearFormat):
         from vllm.model_executor.layers import nf4_gemm
 
         qw = self.quantized_weight(layer)
-        any_rows = self._scratch_kernel(layer, qw)
+        scratch = self._scratch_kernel(layer, qw)
         if not self._fused_gemm(layer, target):
-            return [any_rows] * count
+            return [scratch] * count
         n, k, gpu = layer.out_features, layer.in_features, _device_name(target)
         dt = self.compute_dtype(layer)
         decode = []
         for rows in target.row_buckets:
             cfg = nf4_gemm.decode_config(rows, n, k, qw.blocksize, device_name=gpu, dtype=dt)
-            decode.append(any_rows if cfg is None else nf4_gemm.linear_kernel(qw, cfg))
-        return [*decode, any_rows]
+            decode.append(scratch if cfg is None else nf4_gemm.linear_kernel(qw, cfg))
+        steps = nf4_gemm.prefill_configs(n, k, qw.blocksize, device_name=gpu, dtype=dt)
+        return [*decode, self._any_rows_kernel(layer, qw, steps, scratch)]
+
+    @staticmethod
+    def _any_rows_kernel(
+        layer: Linear, qw: QuantizedWeight, steps: list, scratch: LinearKernel
+    ) -> LinearKernel:
+        """Row counts outside the decode buckets (prefill chunks): the GEMM up to the row
+        counts this GPU's tuned table gives it (``nf4_gemm.prefill_configs``), the scratch
+        path above them and for inputs that are not [M, K] rows."""
+        from vllm.model_executor.layers import nf4_gemm
+
+        if all(cfg is None for _, cfg in steps):
+            return scratch
+        limits = [rows for rows, _ in steps]
+        kernels = [scratch if cfg is None else nf4_gemm.linear_kernel(qw, cfg) for _, cfg in steps]
+
+        def run(x: torch.Tensor, out: torch.Tensor | None) -> torch.Tensor:
+            i = bisect.bisect_left(limits, x.shape[0])
+            if x.dim() != 2 or x.stride(1) != 1 or i == len(limits):
+                return scratch(x, out)
+            return kernels[i](x, out)
+
+        return run
 
     def build_silu_kernels(self, layer: Linear, target: KernelTarget) -> list[SiluKernel | None]:
         table: list[SiluKernel | None] = [None] * (len(target.row_buckets) + 1)
@@ -352,7 +376,30 @@ class Bnb4bitFormat(LinearFormat):
                 rows, n, k, qw.blocksize, silu=True, device_name=gpu, dtype=dt
             )
             table[i] = None if cfg is None else nf4_gemm.silu_kernel(qw, cfg)
+        steps = nf4_gemm.prefill_configs(n, k, qw.blocksize, silu=True, device_name=gpu, dtype=dt)
+        if any(cfg is not None for _, cfg in steps):
+            table[-1] = self._any_rows_silu(qw, steps, self._scratch_kernel(layer, qw))
         return table
+
+    @staticmethod
+    def _any_rows_silu(qw: QuantizedWeight, steps: list, scratch: LinearKernel) -> SiluKernel:
+        """gate|up with the SiLU-and-multiply for row counts outside the decode buckets: the
+        GEMM's epilogue where the tuned table gives the GEMM those rows, else the scratch
+        path and the separate activation (as the layer and ``SiluAndMul`` compute it)."""
+        from vllm.model_executor.layers import nf4_gemm
+        from vllm.model_executor.layers.fused_kernels import silu_and_mul
+
+        limits = [rows for rows, _ in steps]
+        configs = [cfg for _, cfg in steps]
+
+        def run(x: torch.Tensor) -> torch.Tensor:
+            i = bisect.bisect_left(limits, x.shape[0])
+            cfg = configs[i] if i < len(limits) else None
+            if cfg is None or x.dim() != 2 or x.stride(1) != 1:
+                return silu_and_mul(scratch(x, None))
+            return nf4_gemm.nf4_gemm_silu(x, qw, cfg)
+
+        return run
 
 
 def _device_name(target: KernelTarget) -> str:
