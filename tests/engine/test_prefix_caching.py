@@ -213,11 +213,21 @@ def test_prompt_logprobs_requests_compute_every_token(plain: LLM, cached: LLM) -
         assert a.keys() == b.keys()
 
 
-def test_off_by_default() -> None:
+def test_on_for_the_server_off_for_llm_by_default(plain: LLM) -> None:
     from vllm.engine.arg_utils import EngineArgs
+    from vllm.engine.cli_args import FlexibleArgumentParser
+    from vllm.entrypoints.openai.cli_args import make_arg_parser
 
-    args = EngineArgs(model="demo/mllama-tiny")
-    assert args.create_engine_config().scheduler_config.enable_prefix_caching is False
+    def caching(flags: list[str]) -> bool:
+        parser = make_arg_parser(FlexibleArgumentParser())
+        args = parser.parse_args(["--model", "demo/mllama-tiny", *flags])
+        config = EngineArgs.from_cli_args(args).create_engine_config()
+        return config.scheduler_config.enable_prefix_caching
+
+    assert caching([]) is True
+    assert caching(["--no-enable-prefix-caching"]) is False
+    assert caching(["--enable-prefix-caching"]) is True
+    assert plain.llm_engine.config.scheduler_config.enable_prefix_caching is False
 
 
 def _cross_rows(engine, pages: list[int]) -> list[tuple]:

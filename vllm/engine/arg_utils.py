@@ -110,7 +110,7 @@ class EngineArgs:
     kv_cache_dtype: str = "auto"
     disable_log_stats: bool = False
     async_scheduling: bool = True
-    enable_prefix_caching: bool | None = None  # None: off (the default here)
+    enable_prefix_caching: bool | None = None  # None: on (``LLM`` makes it off)
     # Structured output: the grammar library, and compact JSON by default.
     guided_decoding_backend: str = "xgrammar"
     guided_decoding_disable_any_whitespace: bool = False
@@ -344,7 +344,7 @@ class EngineArgs:
                                max_model_len=max_model_len, max_num_encoder_tiles=tiles,
                                enable_chunked_prefill=chunked, encoder_layers_per_step=layers,
                                scheduling_policy=self.scheduling_policy,
-                               enable_prefix_caching=bool(self.enable_prefix_caching))
+                               enable_prefix_caching=self.enable_prefix_caching is not False)
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

@@ -292,7 +292,8 @@ _FLAG_SPECS: dict[str, dict[str, Any]] = {
     "enable_prefix_caching": {
         "action": argparse.BooleanOptionalAction,
         "help": "Reuse the KV pages of earlier prompts that start with the same tokens and "
-        "images (off by default; the cache_salt request field keeps tenants apart).",
+        "images, and share the cross-attention K/V of the same images (on by default for "
+        "the server, off for LLM; the cache_salt request field keeps tenants apart).",
     },
     "guided_decoding_backend": {
         "help": "Library that compiles structured-output constraints (JSON schemas, regexes, "

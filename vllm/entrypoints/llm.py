@@ -33,6 +33,10 @@ class LLM:
         # Offline batches want throughput: prefill first unless asked otherwise.
         if kwargs.get("enable_chunked_prefill") is None:
             kwargs["enable_chunked_prefill"] = False
+        # Offline, caching only when asked for: a prompt's logprobs then do not depend on
+        # what ran before it (a cached prefix is attended by another kernel).
+        if kwargs.get("enable_prefix_caching") is None:
+            kwargs["enable_prefix_caching"] = False
         args = EngineArgs(model=model, tokenizer=tokenizer, dtype=dtype, seed=seed,
                           enforce_eager=enforce_eager,
                           gpu_memory_utilization=gpu_memory_utilization,

@@ -70,7 +70,8 @@ def completion(server: RunningServer, stream: bool, **body: Any) -> None:
 @pytest.mark.parametrize("stream", [False, True], ids=["json", "stream"])
 def test_request_series_move_by_the_request(server: RunningServer, stream: bool) -> None:
     """Two prompts, n=2, 5 tokens each: 20 generated tokens, 4 sequences, 2 requests."""
-    prompts = ["Count the metrics", "Again"]
+    # Prompts of their own: the server caches prefixes, and a cached page is not computed.
+    prompts = [f"{'Streamed' if stream else 'Plain'}: count the metrics", f"Again {stream}"]
     lens = [prompt_len(server, p) for p in prompts]
     before = scrape(server)
     completion(server, stream, prompt=prompts, n=2, max_tokens=5)
@@ -145,7 +146,7 @@ def test_cache_config_info(server: RunningServer) -> None:
     pool = server.engine.engine.block_manager.pool
     assert labels["block_size"] == "16" and labels["cache_dtype"] == "auto"
     assert labels["num_gpu_blocks"] == str(pool.num_allocatable)
-    assert labels["enable_prefix_caching"] == "False"
+    assert labels["enable_prefix_caching"] == "True"  # the server's default
     assert samples[("vllm:cache_config_info", tuple(sorted(labels.items())))] == 1.0
 
 
