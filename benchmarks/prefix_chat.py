@@ -7,9 +7,10 @@ whole conversation, image included, as a data URL (what chat clients do). Conver
 ``--concurrency`` at a time; within one, turns are sequential. Reports TTFT per turn (p50 /
 p99, the turns after the first being where caching shows) and the output throughput.
 
-Run it twice against the same server build, with and without ``--enable-prefix-caching``:
+Run it twice against the same server build, with ``--enable-prefix-caching`` (the default)
+and with ``--no-enable-prefix-caching``:
 
-    vllm serve MODEL --enable-prefix-caching &   # then, without the flag
+    vllm serve MODEL --enable-prefix-caching &   # then with --no-enable-prefix-caching
     # second turn of one chat, 1,000 tokens of history (~770 words), 50 new tokens:
     python -m benchmarks.prefix_chat --model MODEL --conversations 1 --concurrency 1 \\
         --turns 2 --history-words 770 --new-words 38 --output-tokens 64 --repeat 10
