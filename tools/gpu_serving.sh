@@ -44,8 +44,10 @@ if wanted chunked && start_server chunked $LEN "$@"; then
   bench w1_chunked "${W1[@]}"
   bench w2_chunked "${W2[@]}"
   read -r -a rates <<<"$SWEEP_RATES"
-  # The sweep: workload 1 without the concurrency cap, SWEEP_PROMPTS requests per rate.
-  python3 benchmarks/benchmark_serving.py --port "$PORT" "${COMMON[@]}" "${W1[@]}" \
+  # The sweep: workload 1 without the concurrency cap, SWEEP_PROMPTS requests per rate, on
+  # seeds of its own (100 + i for the i-th rate): with prefix caching on, prompts that w1 or an
+  # earlier rate already sent would be answered from the cache.
+  python3 benchmarks/benchmark_serving.py --port "$PORT" "${COMMON[@]}" "${W1[@]}" --seed 100 \
     --num-prompts "${SWEEP_PROMPTS:-48}" --max-concurrency 1000000 --request-rate "${rates[@]}" \
     --result-dir "$OUT" --result-filename w1_sweep.json 2>&1 | tail -9
   stop_server

@@ -224,6 +224,8 @@ def test_bench_serve_request_rate_sweep(server: RunningServer, tmp_path: Path) -
     assert rec["request_rates"] == [40.0, "inf"]
     saved = json.loads((tmp_path / "sweep.json").read_text())
     assert [r["completed"] for r in saved["runs"]] == [3, 3]
+    # Each rate sends its own prompts (seed + i), never the earlier rate's cached ones.
+    assert [r["args"]["seed"] for r in saved["runs"]] == [0, 1]
     for r in saved["runs"]:  # the plotted percentiles are added to the asked ones
         assert {"p90_itl_ms", "p99_itl_ms", "median_ttft_ms", "p99_ttft_ms"} <= set(r)
     with Image.open(tmp_path / "sweep.png") as png:

@@ -150,7 +150,12 @@ def add_cli_args(parser: argparse.ArgumentParser) -> None:
         default=560,
         help="Side in pixels of the square random-noise JPEG images.",
     )
-    data.add_argument("--seed", type=int, default=0, help="Dataset and arrival-time seed.")
+    data.add_argument(
+        "--seed",
+        type=int,
+        default=0,
+        help="Dataset and arrival-time seed (a sweep's i-th rate takes seed + i).",
+    )
     load = parser.add_argument_group("load")
     load.add_argument(
         "--request-rate",
@@ -401,14 +406,16 @@ def main(args: argparse.Namespace) -> dict[str, Any]:
 
 def sweep(args: argparse.Namespace, rates: list[float]) -> dict[str, Any]:
     """One run per request rate, in the order given; one JSON (``runs``: each run's record)
-    and a PNG plot, always written."""
+    and a PNG plot, always written. Run ``i`` takes seed ``--seed + i``: each rate sends
+    prompts and images of its own, so a server with prefix caching does not answer a later
+    rate from the pages and images an earlier rate left cached."""
     wanted = parse_metric_names(args.percentile_metrics)
     args.percentile_metrics = ",".join(dict.fromkeys([*wanted, "ttft", "itl"]))
     pcts = parse_percentiles(args.metric_percentiles)
     args.metric_percentiles = ",".join(f"{p:g}" for p in sorted({*pcts, 50.0, 99.0}))
     runs = []
-    for rate in rates:
-        run = argparse.Namespace(**{**vars(args), "request_rate": rate})
+    for i, rate in enumerate(rates):
+        run = argparse.Namespace(**{**vars(args), "request_rate": rate, "seed": args.seed + i})
         runs.append(asyncio.run(benchmark(run)))
     record = {
         "date": runs[0]["date"],
