@@ -215,6 +215,70 @@ def test_decode_batch_invariant(config: DecodeConfig | None) -> None:
     assert torch.equal(alone[0], batch[target])
 
 
+def _row_chunk_batch(num_heads: int, num_kv_heads: int, seed: int):
+    """A decode batch with three row chunks (one sequence's tokens as rows over its pages):
+    rows 0-15 a self-attention chunk at positions 51-66 (under SMALL a segment holds 16
+    tokens up to a length of 64, then 32: the split changes at row 13); rows 16-21 a
+    cross-attention chunk (six rows of one length); rows 22-24 sequences of their own;
+    rows 25-30 a chunk that starts off every program's window; one padding row last."""
+    lens = list(range(52, 68)) + [50] * 6 + [40, 23, 7] + list(range(10, 16)) + [0]
+    ids = [10] * 16 + [20] * 6 + [1, 2, 3] + [30] * 6 + [99]
+    _, q, kc, vc, tables, seq_lens = decode_inputs(
+        lens, num_heads, num_kv_heads, 32, 4, torch.float32, seed, extra_cols=2
+    )
+    for first, last in ((0, 15), (16, 21), (25, 30)):
+        tables[first + 1 : last + 1] = tables[first]
+    kv_ids = torch.tensor(ids, dtype=torch.int32, device=DEVICE)
+    return q, kc, vc, tables, seq_lens, kv_ids
+
+
+def run_decode_rows(q, kc, vc, tables, seq_lens, kv_ids, config: DecodeConfig) -> torch.Tensor:
+    """``run_decode`` with page-sharing ids (output and workspace poisoned the same way)."""
+    out = torch.full_like(q, float("nan"))
+    ws = alloc_decode_workspace(q.shape[0], q.shape[1], q.shape[2], q.device, config)
+    ws.fill_(float("nan"))
+    return paged_decode_attention(
+        q, kc, vc, tables, seq_lens, 0.3, out=out, workspace=ws, config=config, kv_ids=kv_ids
+    )
+
+
+@pytest.mark.parametrize(
+    ("num_heads", "num_kv_heads", "config"),
+    [
+        (8, 2, SMALL),  # 4 heads a KV head: 4 rows a program
+        (4, 4, SMALL),  # 1 head a KV head: 16 rows a program
+        (6, 2, SMALL),  # 3 heads: 4 rows fill 12 of the 16 tile rows
+        (8, 2, DecodeConfig(num_segments=4, block_n=16, min_chunk=16, rows=8)),  # 32-row tile
+    ],
+)
+def test_decode_row_chunks_served_together(
+    num_heads: int, num_kv_heads: int, config: DecodeConfig
+) -> None:
+    """Rows of one chunk served by one program give bitwise what each row's own program
+    gives (and the oracle's result); rows of other ids and padding rows are untouched."""
+    q, kc, vc, tables, seq_lens, kv_ids = _row_chunk_batch(num_heads, num_kv_heads, 5)
+    together = run_decode_rows(q, kc, vc, tables, seq_lens, kv_ids, config)
+    alone = run_decode(q, kc, vc, tables, seq_lens, config)
+    expected = ref.paged_decode_attention(q, kc, vc, tables, seq_lens, 0.3)
+    assert not together.isnan().any()
+    torch.testing.assert_close(together, expected, **FP32_TOL)
+    assert torch.equal(together, alone)
+
+
+def test_decode_row_chunk_reads_its_leaders_pages() -> None:
+    """The sharing is real: a row served by its chunk's first row is read through that row's
+    table, whatever its own says; a row its split keeps apart reads its own."""
+    q, kc, vc, tables, seq_lens, kv_ids = _row_chunk_batch(8, 2, 6)  # 4 rows a program
+    expected = run_decode(q, kc, vc, tables, seq_lens, SMALL)
+    swapped = tables.clone()
+    swapped[1] = tables[22]  # served by row 0
+    swapped[13] = tables[22]  # length 65: a 32-token split, not its leader's (row 12) 16
+    got = run_decode_rows(q, kc, vc, swapped, seq_lens, kv_ids, SMALL)
+    own = run_decode(q, kc, vc, swapped, seq_lens, SMALL)
+    assert torch.equal(got[1], expected[1]) and not torch.equal(own[1], expected[1])
+    assert torch.equal(got[13], own[13]) and not torch.equal(own[13], expected[13])
+
+
 def test_segment_split_fills_the_gpu() -> None:
     """Host mirror of the device split: bounded by num_segments, zero for an empty KV, and a
     batch of one over 6,404 cross tokens spreads over >= 2 programs per SM of an H200."""
@@ -548,6 +612,7 @@ def test_backends_match_reference(num_sms: int | None) -> None:
         encoder_seq_lens_tensor=seq_lens.flip(0).contiguous(),
         max_encoder_seq_len=30,
         cross_block_tables=tables.flip(0).contiguous(),
+        kv_ids=torch.arange(len(dec_lens), dtype=torch.int32, device=DEVICE),
     )
     expected = {
         "decode_self": ref.paged_decode_attention(dq, kc, vc, tables, seq_lens, 0.3),
@@ -616,6 +681,7 @@ def test_cuda_graph_replay_matches_eager() -> None:
         encoder_seq_lens_tensor=torch.zeros(bs, dtype=torch.int32, device=DEVICE),
         max_encoder_seq_len=1,
         cross_block_tables=torch.zeros(bs, width // 4, dtype=torch.int32, device=DEVICE),
+        kv_ids=torch.arange(bs, dtype=torch.int32, device=DEVICE),
     )
     backend = TritonBackend()
 

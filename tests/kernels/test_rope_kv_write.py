@@ -129,6 +129,7 @@ def _layer_step(backend: TritonBackend | TorchBackend, is_prefill: bool,
                                       device=DEVICE),
             encoder_seq_lens_tensor=torch.zeros(t, dtype=torch.int32, device=DEVICE),
             cross_block_tables=torch.zeros(t, 1, dtype=torch.int32, device=DEVICE),
+            kv_ids=torch.arange(t, dtype=torch.int32, device=DEVICE),
             max_seq_len=6, max_encoder_seq_len=0)
     with set_forward_context(md):
         return layer(*_split(qkv, 4, 2, 16), positions, rotary)

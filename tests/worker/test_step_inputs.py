@@ -100,20 +100,24 @@ def test_gather_kernel_equals_torch_gather(widths: tuple[int, int]) -> None:
     width, cross_width = widths
     g = torch.Generator().manual_seed(0)
     rows = DecodeRows(max_rows=6, max_pages=300, max_cross_pages=300, block_size=16,
-                      device=torch.device("cpu"))
+                      device=torch.device("cpu"), run_rows=4)
     for position in (0, 15, 16 % (16 * width), 16 * width - 1):  # all within the width
         r = rows.acquire()
         pages = torch.randint(1, 10_000, (position // 16 + 1,), generator=g).tolist()
         num_cross = int(torch.randint(0, 300, (1,), generator=g))
         cross = torch.randint(1, 10_000, (num_cross,), generator=g).tolist()
         rows.load(r, pages, cross, 17 * r, position=position)
+    run = rows.run_start + 1  # a row chunk of three tokens: its rows share their first's id
+    rows.load_run(run, [7], [9], 5, [11, 12, 13], position=0)
     rows.tokens.copy_(torch.randint(0, 50_000, rows.tokens.shape, generator=g))
-    idx = torch.tensor([3, rows.null_row, 0, 2, rows.null_row, 1])
+    idx = torch.tensor([3, rows.null_row, 0, run, run + 1, run + 2, 2, rows.null_row, 1])
     want = rows.gather(idx, width, cross_width)  # the torch code (CPU tensors)
+    assert want.kv_ids.tolist() == [3, rows.null_row, 0, run, run, run, 2, rows.null_row, 1]
     dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     got = gather_rows(idx.to(dev), rows.tokens.to(dev), rows.positions.to(dev),
                       rows.block_tables.to(dev), rows.encoder_lens.to(dev),
-                      rows.cross_tables.to(dev), rows.block_size, width, cross_width)
+                      rows.cross_tables.to(dev), rows.kv_ids.to(dev), rows.block_size, width,
+                      cross_width)
     for f, o in zip(dataclasses.fields(want), got, strict=True):
         w = getattr(want, f.name)
         assert o.dtype == w.dtype and torch.equal(o.cpu(), w), f.name

@@ -33,6 +33,9 @@ class DecodeMetadata:
     # Cached vision tokens (the last image group) per sequence; 0: the sequence has no image.
     encoder_seq_lens_tensor: torch.Tensor  # [B] int32
     cross_block_tables: torch.Tensor  # [B, Wc] int32
+    # [B] int32: rows with equal ids are one sequence's row chunk (the same pages), which the
+    # decode kernel may serve from one read; distinct for distinct sequences.
+    kv_ids: torch.Tensor
     max_seq_len: int  # static for a graph (max_model_len); never read by the kernels
     # 0 skips the cross layers (the text graph family); a graph bakes it in at capture.
     max_encoder_seq_len: int

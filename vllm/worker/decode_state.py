@@ -29,6 +29,7 @@ class DecodeInputs:
     block_tables: torch.Tensor  # [B, W] int32
     encoder_seq_lens: torch.Tensor  # [B] int32
     cross_block_tables: torch.Tensor  # [B, Wc] int32
+    kv_ids: torch.Tensor  # [B] int32: equal for the rows of one row chunk (same pages)
 
 
 class DecodeRows:
@@ -49,6 +50,9 @@ class DecodeRows:
         self.cross_tables = torch.zeros(n, max(max_cross_pages, 1), dtype=torch.int32,
                                         device=device)
         self.encoder_lens = torch.zeros(n, dtype=torch.int32, device=device)
+        # Each row its own id, but the rows of one run, which take their first row's
+        # (``load_run``): the decode kernel serves them from one read of their pages.
+        self.kv_ids = torch.arange(n, dtype=torch.int32, device=device)
         self._ones = torch.ones(n, dtype=torch.int64, device=device)
         self.free_rows = list(range(max_rows - 1, -1, -1))
         # With fused kernels, ``gather`` and ``advance_greedy`` are one Triton launch each
@@ -106,6 +110,7 @@ class DecodeRows:
         self.block_tables[rows].copy_(bt.expand(n, -1))
         self.cross_tables[rows].copy_(ct.expand(n, -1))
         self.encoder_lens[rows].fill_(encoder_len)
+        self.kv_ids[rows].fill_(first)
         toks = to_device(tokens, torch.int64, self.device)
         self.tokens[rows].copy_(toks)
         torch.arange(position, position + n, out=self.positions[rows])
@@ -127,8 +132,8 @@ class DecodeRows:
         if self._gather_rows is not None:
             return DecodeInputs(*self._gather_rows(rows, self.tokens, self.positions,
                                                    self.block_tables, self.encoder_lens,
-                                                   self.cross_tables, self.block_size, width,
-                                                   cross_width))
+                                                   self.cross_tables, self.kv_ids,
+                                                   self.block_size, width, cross_width))
         positions = self.positions[rows]
         tables = self.block_tables[rows, :width]
         valid = positions >= 0
@@ -144,6 +149,7 @@ class DecodeRows:
             block_tables=tables,
             encoder_seq_lens=self.encoder_lens[rows],
             cross_block_tables=self.cross_tables[rows, :cross_width],
+            kv_ids=self.kv_ids[rows],
         )
 
     def advance(self, rows: torch.Tensor, sampled: torch.Tensor) -> None:

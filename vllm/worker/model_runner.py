@@ -620,6 +620,7 @@ class ModelRunner:
             block_tables=inputs.block_tables,
             encoder_seq_lens_tensor=inputs.encoder_seq_lens,
             cross_block_tables=inputs.cross_block_tables,
+            kv_ids=inputs.kv_ids,
             max_seq_len=shape.max_seq_len,
             max_encoder_seq_len=shape.max_encoder_seq_len,
         )

@@ -34,12 +34,14 @@ def advance_rows(rows: torch.Tensor, ids: torch.Tensor, tokens: torch.Tensor,
 
 @triton.jit
 def _gather_rows_kernel(rows_ptr, tokens_ptr, positions_ptr, tables_ptr, enc_lens_ptr,
-                        cross_ptr, ids_out, pos_out, lens_out, slots_out, tables_out,
-                        enc_out, cross_out, table_stride, cross_stride, width, cross_width,
-                        PAGE_SIZE: tl.constexpr, BLOCK_W: tl.constexpr):
-    """Grid (batch,): one row's token, position, length, slot, page tables and vision length."""
+                        cross_ptr, kv_ids_ptr, ids_out, pos_out, lens_out, slots_out, tables_out,
+                        enc_out, cross_out, kv_ids_out, table_stride, cross_stride, width,
+                        cross_width, PAGE_SIZE: tl.constexpr, BLOCK_W: tl.constexpr):
+    """Grid (batch,): one row's token, position, length, slot, page tables, vision length and
+    page-sharing id."""
     b = tl.program_id(0)
     row = tl.load(rows_ptr + b).to(tl.int64)
+    tl.store(kv_ids_out + b, tl.load(kv_ids_ptr + row))
     pos = tl.load(positions_ptr + row)
     tl.store(ids_out + b, tl.load(tokens_ptr + row))
     tl.store(pos_out + b, pos)
@@ -62,9 +64,10 @@ def _gather_rows_kernel(rows_ptr, tokens_ptr, positions_ptr, tables_ptr, enc_len
 
 def gather_rows(rows: torch.Tensor, tokens: torch.Tensor, positions: torch.Tensor,
                 tables: torch.Tensor, encoder_lens: torch.Tensor, cross_tables: torch.Tensor,
-                page_size: int, width: int, cross_width: int) -> tuple[torch.Tensor, ...]:
+                kv_ids: torch.Tensor, page_size: int, width: int,
+                cross_width: int) -> tuple[torch.Tensor, ...]:
     """``DecodeRows.gather`` in one kernel: (input_ids, positions, seq_lens, slot_mapping,
-    block_tables [B, width], encoder_seq_lens, cross_block_tables [B, cross_width])."""
+    block_tables [B, width], encoder_seq_lens, cross_block_tables [B, cross_width], kv_ids)."""
     n, dev = rows.shape[0], rows.device
     assert tables.stride(1) == 1 and cross_tables.stride(1) == 1
     assert width <= tables.shape[1] and cross_width <= cross_tables.shape[1]
@@ -74,9 +77,10 @@ def gather_rows(rows: torch.Tensor, tokens: torch.Tensor, positions: torch.Tenso
            torch.empty(n, dtype=torch.int64, device=dev),
            torch.empty(n, width, dtype=torch.int32, device=dev),
            torch.empty(n, dtype=torch.int32, device=dev),
-           torch.empty(n, cross_width, dtype=torch.int32, device=dev))
+           torch.empty(n, cross_width, dtype=torch.int32, device=dev),
+           torch.empty(n, dtype=torch.int32, device=dev))
     if n:
         _gather_rows_kernel[(n,)](rows, tokens, positions, tables, encoder_lens, cross_tables,
-                                  *out, tables.stride(0), cross_tables.stride(0), width,
+                                  kv_ids, *out, tables.stride(0), cross_tables.stride(0), width,
                                   cross_width, PAGE_SIZE=page_size, BLOCK_W=256, num_warps=2)
     return out

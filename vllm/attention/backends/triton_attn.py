@@ -117,6 +117,7 @@ class TritonBackend:
             md.block_tables,
             md.seq_lens_tensor,
             scale,
+            kv_ids=md.kv_ids,
             config=self.decode_config,
         )
 
@@ -189,5 +190,6 @@ class TritonBackend:
             md.cross_block_tables,
             md.encoder_seq_lens_tensor,
             scale,
+            kv_ids=md.kv_ids,
             config=self.decode_config,
         )

@@ -14,7 +14,10 @@ Why this shape (docs/architecture.md, "The CUDA-graph contract"):
   not on batch-mates, the page-table width or any host maximum. The combine reduces the
   segments of one (sequence, head) in one fixed order. Same inputs, same bits.
 * One program handles all query heads of one KV head (GQA), so K/V are read once. The group is
-  padded to 16 rows for ``tl.dot``; the extra rows are zeros and never stored.
+  padded to 16 rows for ``tl.dot``; the extra rows are zeros and never stored, except that
+  with ``kv_ids`` they carry the next rows of one row chunk (a prompt's tokens run as decode
+  rows over the same pages): a 50-token chunk over a 4-tile image then reads the image's
+  cross K/V 13 times instead of 50 (11B, 4 query heads a KV head).
 * Nothing past a sequence's length is read: neither the page table nor the cache rows (the
   null page and the tails of last pages may hold garbage, NaN included). A zero-length KV has
   no active segment and yields exact zeros.
@@ -49,8 +52,12 @@ class DecodeConfig:
     combine_segments: int = 32
     combine_num_warps: int = 1
     combine_num_stages: int = 2
+    # Rows of one row chunk served by one program (a power of two); 0: ``rows_per_program``.
+    rows: int = 0
 
     def __post_init__(self) -> None:
+        if self.rows < 0 or self.rows & (self.rows - 1):
+            raise ValueError(f"rows must be 0 or a power of two, got {self.rows}")
         for name, low in (("num_segments", 1), ("block_n", 16), ("combine_segments", 1)):
             value = getattr(self, name)
             if value < low or value & (value - 1):
@@ -113,8 +120,10 @@ def _decode_segment_kernel(
     v_cache_ptr,
     block_tables_ptr,
     seq_lens_ptr,
+    kv_ids_ptr,
     ws_ptr,
     scale_log2,
+    batch,
     stride_qb,
     stride_qh,
     stride_kp,
@@ -126,6 +135,7 @@ def _decode_segment_kernel(
     stride_bt,
     NUM_HEADS: tl.constexpr,
     GROUP: tl.constexpr,
+    ROWS: tl.constexpr,
     HEAD_DIM: tl.constexpr,
     PAGE_SIZE: tl.constexpr,
     WS_ROW: tl.constexpr,
@@ -140,24 +150,52 @@ def _decode_segment_kernel(
 
     Writes the segment's unnormalised output and its (max, sum) for every query head of the
     group into the workspace row ``[b, head, seg]``; inactive segments write nothing.
+
+    With ``ROWS > 1`` (``kv_ids`` given), the program of row ``b = k * ROWS`` also serves the
+    rows after it, up to ``b + ROWS - 1``, that have its id and split (the tokens of one row
+    chunk: the same pages, lengths a few tokens apart): their query heads fill the tile rows
+    that GQA leaves empty, and the K/V tiles are read once for all of them. Those rows'
+    own programs return at once. A served row's result is the one its own program would
+    give: the tile rows are independent, and the tiles past its length add exact zeros.
     """
     seg = tl.program_id(0)
     kvh = tl.program_id(1)
     b = tl.program_id(2)
     length = tl.load(seq_lens_ptr + b)
     chunk = _segment_chunk(length, NUM_SEGMENTS, BLOCK_N, MIN_CHUNK)
+    offs_g = tl.arange(0, BLOCK_G)
+    row_of = offs_g // GROUP  # tile row -> which of the program's rows
+    heads = kvh * GROUP + offs_g % GROUP
+    if ROWS > 1:
+        lead = b - b % ROWS
+        my_id = tl.load(kv_ids_ptr + b)
+        lead_chunk = _segment_chunk(tl.load(seq_lens_ptr + lead), NUM_SEGMENTS, BLOCK_N, MIN_CHUNK)
+        served = (lead != b) & (tl.load(kv_ids_ptr + lead) == my_id) & (lead_chunk == chunk)
+        rows = b + row_of
+        # A row that no leader serves handles itself alone.
+        in_tile = tl.where(lead == b, (row_of < ROWS) & (rows < batch), row_of == 0)
+        ids = tl.load(kv_ids_ptr + rows, mask=in_tile, other=-1)
+        lens = tl.load(seq_lens_ptr + rows, mask=in_tile, other=0)
+        mine = in_tile & (ids == my_id)
+        mine = mine & (_segment_chunk(lens, NUM_SEGMENTS, BLOCK_N, MIN_CHUNK) == chunk)
+    else:
+        served = False
+        rows = b + row_of * 0
+        lens = tl.full([BLOCK_G], 0, dtype=tl.int32) + length
+        mine = row_of == 0
     start = seg * chunk
-    if start < length:
-        end = tl.minimum(start + chunk, length)
-        offs_g = tl.arange(0, BLOCK_G)
+    ends = tl.minimum(start + chunk, lens)
+    active = mine & (start < lens)
+    end = tl.max(tl.where(active, ends, start), 0)
+    end = tl.where(served, start, end)  # a served row's leader writes its segments
+    if end > start:
         offs_n = tl.arange(0, BLOCK_N)
         offs_d = tl.arange(0, BLOCK_D)
-        g_mask = offs_g < GROUP
         d_mask = offs_d < HEAD_DIM
-        heads = kvh * GROUP + offs_g
         q = tl.load(
-            q_ptr + b.to(tl.int64) * stride_qb + heads[:, None] * stride_qh + offs_d[None, :],
-            mask=g_mask[:, None] & d_mask[None, :],
+            q_ptr + rows.to(tl.int64)[:, None] * stride_qb + heads[:, None] * stride_qh
+            + offs_d[None, :],
+            mask=active[:, None] & d_mask[None, :],
             other=0.0,
         )
         q = q.to(k_cache_ptr.dtype.element_ty)
@@ -181,19 +219,20 @@ def _decode_segment_kernel(
                 other=0.0,
             )
             s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2
-            s = tl.where(valid[None, :], s, float("-inf"))
+            s = tl.where(tok[None, :] < ends[:, None], s, float("-inf"))
             v = tl.load(
                 v_base + (page * stride_vp + slot_in_page * stride_vt)[:, None] + offs_d[None, :],
                 mask=kv_mask,
                 other=0.0,
             )
             m_i, l_i, acc = online_softmax_update(s, v, m_i, l_i, acc, DOT_PRECISION)
-        rows = ((b.to(tl.int64) * NUM_HEADS + heads) * NUM_SEGMENTS + seg) * WS_ROW
+        ws_rows = ((rows.to(tl.int64) * NUM_HEADS + heads) * NUM_SEGMENTS + seg) * WS_ROW
         tl.store(
-            ws_ptr + rows[:, None] + offs_d[None, :], acc, mask=g_mask[:, None] & d_mask[None, :]
+            ws_ptr + ws_rows[:, None] + offs_d[None, :], acc,
+            mask=active[:, None] & d_mask[None, :],
         )
-        tl.store(ws_ptr + rows + HEAD_DIM, m_i, mask=g_mask)
-        tl.store(ws_ptr + rows + HEAD_DIM + 1, l_i, mask=g_mask)
+        tl.store(ws_ptr + ws_rows + HEAD_DIM, m_i, mask=active)
+        tl.store(ws_ptr + ws_rows + HEAD_DIM + 1, l_i, mask=active)
 
 
 @triton.jit
@@ -289,6 +328,9 @@ def paged_decode_attention(
     seq_lens: torch.Tensor,  # [B] int32; 0 gives a zero output
     scale: float,
     *,
+    # [B] int32: rows with equal ids read the same pages (one sequence's row chunk), so one
+    # program may serve several of them (``DecodeConfig.rows``); None: every row its own.
+    kv_ids: torch.Tensor | None = None,
     out: torch.Tensor | None = None,  # [B, num_heads, head_dim], written entirely
     workspace: torch.Tensor | None = None,  # from alloc_decode_workspace
     config: DecodeConfig | None = None,  # None: default_decode_config(key_cache.dtype)
@@ -319,15 +361,20 @@ def paged_decode_attention(
     assert workspace.shape == (b, num_heads, config.num_segments, workspace_row(head_dim))
     group = num_heads // num_kv_heads
     block_d = max(16, triton.next_power_of_2(head_dim))
-    block_g = max(16, triton.next_power_of_2(group))
+    rows = 1 if kv_ids is None else rows_per_program(group, config)
+    if kv_ids is not None:
+        assert kv_ids.dtype == torch.int32 and kv_ids.shape == (b,) and kv_ids.is_contiguous()
+    block_g = max(16, triton.next_power_of_2(group * rows))
     _decode_segment_kernel[(config.num_segments, num_kv_heads, b)](
         query,
         key_cache,
         value_cache,
         block_tables,
         seq_lens,
+        seq_lens if kv_ids is None else kv_ids,  # not read with one row a program
         workspace,
         scale * LOG2E,
+        b,
         query.stride(0),
         query.stride(1),
         key_cache.stride(0),
@@ -339,6 +386,7 @@ def paged_decode_attention(
         block_tables.stride(0),
         NUM_HEADS=num_heads,
         GROUP=group,
+        ROWS=rows,
         HEAD_DIM=head_dim,
         PAGE_SIZE=page_size,
         WS_ROW=workspace_row(head_dim),
@@ -369,6 +417,14 @@ def paged_decode_attention(
         num_stages=config.combine_num_stages,
     )
     return out
+
+
+def rows_per_program(group: int, config: DecodeConfig = DEFAULT_DECODE_CONFIG) -> int:
+    """Rows of one row chunk that one program serves: ``config.rows``, or (0) as many as
+    fill the 16-row tile GQA pads its group to (4 at 4 query heads a KV head, 2 at 8)."""
+    if config.rows:
+        return config.rows
+    return max(1, 16 // triton.next_power_of_2(group))
 
 
 def active_segments(length: int, config: DecodeConfig = DEFAULT_DECODE_CONFIG) -> int:
