@@ -235,10 +235,12 @@ def test_decode_rows_gather_and_advance() -> None:
     tokens = torch.tensor([5, 6, 7, 8], device=DEVICE)
     positions = torch.tensor([3, 9, 0, -1], device=DEVICE)
     enc = torch.tensor([0, 4, 2, 0], dtype=torch.int32, device=DEVICE)
+    kv_ids = torch.tensor([0, 1, 1, 3], dtype=torch.int32, device=DEVICE)
     rows = torch.tensor([2, 1, 3], device=DEVICE)
-    ids, pos, lens, slots, bt, enc_out, ct = gather_rows(
-        rows, tokens, positions, tables, enc, cross, 4, 3, 2
+    ids, pos, lens, slots, bt, enc_out, ct, kv_out = gather_rows(
+        rows, tokens, positions, tables, enc, cross, kv_ids, 4, 3, 2
     )
+    assert kv_out.tolist() == [1, 1, 3]
     assert torch.equal(bt, tables[rows, :3]) and torch.equal(ct, cross[rows, :2])
     assert ids.tolist() == [7, 6, 8] and enc_out.tolist() == [2, 4, 0]
     assert slots.tolist() == [int(tables[2, 0]) * 4, int(tables[1, 2]) * 4 + 1, -1]
