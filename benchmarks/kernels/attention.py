@@ -11,7 +11,8 @@ Python's launch overhead is excluded and K/V are not served from L2. The copy ba
 measured in the same run (bytes read + written); each decode row reports its fraction of it,
 counting the bytes of K/V read plus the query read and the output written.
 
-    python -m benchmarks.kernels attention [--quick] [--prefill-only] [--json PATH]
+    python -m benchmarks.kernels attention [--quick] [--prefill-only] [--row-chunks]
+        [--json PATH]
         [--num-segments 64 --block-n 64 --min-chunk 128 --num-warps 4 --num-stages 2]
 """
 
@@ -56,33 +57,69 @@ class Row:
 
 
 def bench_decode(
-    kind: str, batch: int, kv_len: int, page: int, cfg: DecodeConfig, copy_gb_s: float
+    kind: str,
+    batch: int,
+    kv_len: int,
+    page: int,
+    cfg: DecodeConfig,
+    copy_gb_s: float,
+    chunk: str = "",
 ) -> Row:
-    """Paged decode over ``batch`` sequences of ``kv_len`` tokens, pages scattered at random."""
+    """Paged decode over ``batch`` sequences of ``kv_len`` tokens, pages scattered at random.
+
+    ``chunk``: the rows are one row chunk instead (one sequence's pages; self: lengths
+    ``kv_len .. kv_len + batch - 1``, cross: all ``kv_len``), read row by row ("alone") or
+    with the page-sharing ids of the decode graphs ("served"). Their bandwidth counts the
+    sequence's K/V once, so it shows what sharing the reads buys."""
     torch.cuda.empty_cache()  # hand the previous point's pool back before allocating this one
     elt = torch.empty((), dtype=DTYPE).element_size()
-    pages_per_seq = math.ceil(kv_len / page)
-    num_pages = batch * pages_per_seq + 1  # + the null page
+    causal = chunk and kind.startswith("self")
+    seqs = 1 if chunk else batch
+    pages_per_seq = math.ceil((kv_len + (batch if causal else 0)) / page)
+    num_pages = seqs * pages_per_seq + 1  # + the null page
     layer_bytes = num_pages * 2 * HKV * page * HEAD_DIM * elt
     l2 = getattr(torch.cuda.get_device_properties(0), "L2_cache_size", 60 << 20)
     layers = max(1, min(64, math.ceil(4 * l2 / layer_bytes)))
     pool = torch.empty(num_pages, layers, 2, HKV, page, HEAD_DIM, dtype=DTYPE, device="cuda")
     pool.normal_()  # random data, never zeros
-    perm = torch.randperm(num_pages - 1, device="cuda")[: batch * pages_per_seq] + 1
-    tables = perm.view(batch, pages_per_seq).to(torch.int32)
+    perm = torch.randperm(num_pages - 1, device="cuda")[: seqs * pages_per_seq] + 1
+    tables = perm.view(seqs, pages_per_seq).to(torch.int32).expand(batch, -1).contiguous()
     seq_lens = torch.full((batch,), kv_len, dtype=torch.int32, device="cuda")
+    if causal:
+        seq_lens += torch.arange(batch, dtype=torch.int32, device="cuda")
+    kv_ids = torch.zeros(batch, dtype=torch.int32, device="cuda") if chunk == "served" else None
     query = torch.randn(batch, HQ, HEAD_DIM, dtype=DTYPE, device="cuda")
     scale = HEAD_DIM**-0.5
 
     def call(layer: int) -> Callable[[], object]:
         kc, vc = pool[:, layer, 0], pool[:, layer, 1]
-        return lambda: paged_decode_attention(query, kc, vc, tables, seq_lens, scale, config=cfg)
+        return lambda: paged_decode_attention(
+            query, kc, vc, tables, seq_lens, scale, config=cfg, kv_ids=kv_ids
+        )
 
     n_calls = max(layers, 16)
     us = time_graph_us([call(i % layers) for i in range(n_calls)])
-    nbytes = batch * kv_len * 2 * HKV * HEAD_DIM * elt + 2 * query.nbytes
+    nbytes = seqs * int(seq_lens.max()) * 2 * HKV * HEAD_DIM * elt + 2 * query.nbytes
     gb_s = nbytes / (us * 1e-6) / 1e9
-    return Row(kind, batch, kv_len, us, gb_s, 100 * gb_s / copy_gb_s, note=f"{layers} layers")
+    note = f"{layers} layers" + (f", row chunk {chunk}" if chunk else "")
+    return Row(kind, batch, kv_len, us, gb_s, 100 * gb_s / copy_gb_s, note=note)
+
+
+def bench_row_chunks(cfg: DecodeConfig, copy_gb_s: float) -> list[Row]:
+    """A chat turn's new tokens as rows of the decode graph (issue #30's second turn: 50 new
+    tokens over about 1,000 cached ones and one 4-tile image), read alone and served; the
+    served case also at 8 and 16 rows a program (a 32- and 64-row tile)."""
+    rows = []
+    for kind, kv_len, page in (("self decode", 1024, SELF_PAGE),
+                               ("cross decode", CROSS_LEN, CROSS_PAGE)):
+        for n in (16, 50, 128):
+            rows.append(bench_decode(kind, n, kv_len, page, cfg, copy_gb_s, chunk="alone"))
+            for r in (0, 8, 16):
+                c = dataclasses.replace(cfg, rows=r)
+                row = bench_decode(kind, n, kv_len, page, c, copy_gb_s, chunk="served")
+                row.note += f" (rows {r or 'auto'})"
+                rows.append(row)
+    return rows
 
 
 def _bench_ms(fn: Callable[[], object]) -> float:
@@ -192,6 +229,8 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> None:
     parser = argparse.ArgumentParser(prog=prog, description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="a few decode points only")
     parser.add_argument("--prefill-only", action="store_true", help="the prefill cases only")
+    parser.add_argument("--row-chunks", action="store_true",
+                        help="a row chunk's rows read alone and served together only")
     parser.add_argument("--json", type=str, default=None, help="also write the rows here")
     defaults = DecodeConfig()
     for field in ("num_segments", "block_n", "min_chunk", "num_warps", "num_stages"):
@@ -210,6 +249,11 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> None:
         return
     copy_gb_s = copy_bandwidth_gb_s()
     print(f"{torch.cuda.get_device_name()}: copy bandwidth {copy_gb_s:.0f} GB/s; {cfg}")
+    if args.row_chunks:
+        rows = bench_row_chunks(cfg, copy_gb_s)
+        print(format_table(rows))
+        write_json(args.json, rows, copy_gb_s=copy_gb_s, config=dataclasses.asdict(cfg))
+        return
     batches, lengths = (
         ((1, 64), (4096,)) if args.quick else ((1, 8, 32, 64, 128), (512, 4096, 32768))
     )
