@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import socket
+import threading
 from typing import Any
 
 import torch
@@ -63,6 +64,9 @@ class Ranks:
     def __init__(self, procs: list) -> None:
         self.procs = procs
         self.closed = False
+        # Stopping runs once: a second caller (another thread stopping the engine, or the
+        # engine's finalizer) waits for the first, and never sends its own stop beside it.
+        self._stop_lock = threading.Lock()
 
     def check(self, wait_s: float = 0.0) -> None:
         """Raises if a rank has exited (giving each up to ``wait_s`` to be seen exiting: a
@@ -89,25 +93,29 @@ class Ranks:
 
     def terminate(self) -> None:
         """Ends the other ranks at once (rank 0 failed while they wait in a collective)."""
-        self.closed = True
-        for p in self.procs:
-            p.terminate()
-            p.join(10)
-        destroy_tensor_parallel()
-
-    def shutdown(self, timeout_s: float = 30.0) -> None:
-        if self.closed:
-            return
-        try:
-            if all(p.is_alive() for p in self.procs):
-                dist.broadcast_object_list([("stop",)], src=0, group=_CONTROL)
-        finally:
+        with self._stop_lock:
             self.closed = True
             for p in self.procs:
-                p.join(timeout_s)
-                if p.is_alive():
-                    p.terminate()
+                p.terminate()
+                p.join(10)
             destroy_tensor_parallel()
+
+    def shutdown(self, timeout_s: float = 30.0) -> None:
+        """Tells the other ranks to stop and waits for them (terminating any that outlast
+        ``timeout_s``). Runs once; safe to call from several threads."""
+        with self._stop_lock:
+            if self.closed:
+                return
+            try:
+                if all(p.is_alive() for p in self.procs):
+                    dist.broadcast_object_list([("stop",)], src=0, group=_CONTROL)
+            finally:
+                self.closed = True
+                for p in self.procs:
+                    p.join(timeout_s)
+                    if p.is_alive():
+                        p.terminate()
+                destroy_tensor_parallel()
 
 
 def start_ranks(config: Any, engine_cls: type, timeout_s: float = 300.0) -> Ranks:

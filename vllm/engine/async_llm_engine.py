@@ -172,6 +172,11 @@ class AsyncLLMEngine:
         self.on_dead: Callable[[BaseException], None] | None = None
         self._queue = _QueueCounter()
         self._stopping = False
+        # Held by the call that stops the engine: a second caller (the server's drain timer
+        # and its exit path both stop it) waits until the first is done instead of running
+        # the stop beside it, or leaving the process while it runs.
+        self._shutdown_lock = threading.Lock()
+        self._stopped = False
         self._thread = threading.Thread(target=self._loop, name="vllm-engine", daemon=True)
         self._thread.start()
 
@@ -285,13 +290,16 @@ class AsyncLLMEngine:
         self._commands.put(_Abort(request_id))
 
     def shutdown(self, timeout: float = 10.0) -> None:
-        """Stops the loop; pending requests get EngineDeadError."""
-        self._stopping = True
-        self._commands.put(None)
-        self._thread.join(timeout)
-        self._pool.shutdown(wait=False, cancel_futures=True)
-        if not self._thread.is_alive():  # the loop is done with the engine
-            self.engine.shutdown()
+        """Stops the loop; pending requests get EngineDeadError. Safe to call from several
+        threads: each returns once the engine is stopped."""
+        with self._shutdown_lock:
+            self._stopping = True
+            self._commands.put(None)
+            self._thread.join(timeout)
+            self._pool.shutdown(wait=False, cancel_futures=True)
+            if not self._thread.is_alive() and not self._stopped:  # the loop is done
+                self.engine.shutdown()
+                self._stopped = True
 
     def stats(self) -> dict[str, Any]:
         """A snapshot for /metrics (read without locking: small races are harmless)."""
