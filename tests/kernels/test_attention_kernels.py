@@ -13,6 +13,7 @@ import math
 
 import pytest
 import torch
+import triton
 
 from vllm.attention.backends.torch_attn import TorchBackend
 from vllm.attention.backends.triton_attn import TritonBackend
@@ -26,6 +27,7 @@ from vllm.attention.ops.triton_decode import (
     alloc_decode_workspace,
     default_decode_config,
     paged_decode_attention,
+    rows_per_program,
 )
 from vllm.attention.ops.triton_kv_write import write_kv_cache
 from vllm.attention.ops.triton_prefill import (
@@ -254,15 +256,22 @@ def run_decode_rows(q, kc, vc, tables, seq_lens, kv_ids, config: DecodeConfig) -
 def test_decode_row_chunks_served_together(
     num_heads: int, num_kv_heads: int, config: DecodeConfig
 ) -> None:
-    """Rows of one chunk served by one program give bitwise what each row's own program
-    gives (and the oracle's result); rows of other ids and padding rows are untouched."""
+    """Rows of one chunk served by one program give what each row's own program gives (and
+    the oracle's result); rows of other ids and padding rows are untouched. Bitwise where the
+    served tile has the per-row kernel's 16 rows (the default); a wider tile (``rows``
+    override) reduces in another order on a GPU (within 2e-6 in float32 on an H100), so
+    there only the interpreter's result is bitwise."""
     q, kc, vc, tables, seq_lens, kv_ids = _row_chunk_batch(num_heads, num_kv_heads, 5)
     together = run_decode_rows(q, kc, vc, tables, seq_lens, kv_ids, config)
     alone = run_decode(q, kc, vc, tables, seq_lens, config)
     expected = ref.paged_decode_attention(q, kc, vc, tables, seq_lens, 0.3)
     assert not together.isnan().any()
     torch.testing.assert_close(together, expected, **FP32_TOL)
-    assert torch.equal(together, alone)
+    group = triton.next_power_of_2(num_heads // num_kv_heads)
+    if DEVICE.type == "cpu" or rows_per_program(group, config) * group <= 16:
+        assert torch.equal(together, alone)
+    else:
+        torch.testing.assert_close(together, alone, atol=1e-5, rtol=0)
 
 
 def test_decode_row_chunk_reads_its_leaders_pages() -> None:
