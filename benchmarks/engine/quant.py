@@ -172,7 +172,7 @@ def run_format(name: str, args: argparse.Namespace) -> dict:
             )
     result["ttft_ms"] = ttft_ms(llm)
     print(f"{name:12s} TTFT 4-tile + 128: {result['ttft_ms']:.1f} ms", flush=True)
-    del llm, model
+    del llm, model, view  # the view holds the engine too: all go before the next one
     gc.collect()
     torch.cuda.empty_cache()
     return result
