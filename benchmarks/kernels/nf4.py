@@ -104,6 +104,11 @@ def sweep(m: int, k: int, blocksize: int = 64) -> list[Nf4Config]:
         for bn, it, sp in table_grid
         if bm * bn <= 4096
     ]
+    if m > 64:  # 128-row tiles: each weight tile looked up once for up to 128 rows
+        cands += [
+            Nf4Config(128, bn, it, sp, num_warps=bn // 8, table=True)
+            for bn, it, sp in itertools.product([32, 64], [1, 2], [1, 2, 4, 8])
+        ]
     return [c for c in cands if c.fits(k, blocksize)]
 
 

@@ -117,6 +117,8 @@ PAIR_CASES = [
     (3, Nf4Config(8, 64, 4, mma=True)),
     (17, Nf4Config(8, 128, 4, num_warps=8, mma=True)),  # three row programs, 48 rows past N
     (21, Nf4Config(16, 64, 4, mma=True)),  # two sets of 8 x rows a program, rows past M
+    # The table kernel's 128-row tile (the sweep's candidate above 64 rows): two row tiles.
+    (130, Nf4Config(128, 32, split_k=2, num_warps=8, table=True)),
 ]
 
 
