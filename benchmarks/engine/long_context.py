@@ -24,6 +24,7 @@ the step count and the GPU's busy time against the wall time.
 
     python -m benchmarks.engine long-context --out /tmp/long_context.json [--profile DIR]
     python -m benchmarks.engine long-context --smoke --out /tmp/lc.json   # tiny model, CPU
+    python -m benchmarks.engine long-context --lengths '' --kv-cache-dtype fp8   # FP8 KV decode
 """
 
 from __future__ import annotations
@@ -186,12 +187,18 @@ def profile_ttft(llm: LLM, processed, path: Path) -> None:
     print(head, end="")
 
 
-def no_flag_llm(model: str, smoke: bool) -> LLM:
+def no_flag_llm(model: str, smoke: bool, kv_cache_dtype: str = "auto") -> LLM:
     """The engine `vllm serve MODEL --load-format dummy` builds: EngineArgs' serving defaults
-    (chunked prefill, the 2048-token budget, the model's whole context). The smoke run caps
-    the context and the batch for the CPU."""
+    (chunked prefill, the 2048-token budget, the model's whole context), with
+    ``--kv-cache-dtype`` if given. The smoke run caps the context and the batch for the CPU."""
     kwargs = dict(max_model_len=4096, max_num_seqs=8, max_num_batched_tokens=64) if smoke else {}
-    return LLM(model=model, load_format="dummy", enable_chunked_prefill=True, **kwargs)
+    return LLM(
+        model=model,
+        load_format="dummy",
+        enable_chunked_prefill=True,
+        kv_cache_dtype=kv_cache_dtype,
+        **kwargs,
+    )
 
 
 def main(argv: list[str] | None = None, prog: str | None = None) -> None:
@@ -203,6 +210,7 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> None:
     ap.add_argument("--profile", default=None, help="directory for the profiled image TTFT")
     ap.add_argument("--lengths", default=None, help="TTFT prompt lengths (default 8k-128k)")
     ap.add_argument("--decode-lengths", default=None, help="decode contexts ('' for none)")
+    ap.add_argument("--kv-cache-dtype", default="auto", help="auto, fp8, fp8_e5m2")
     args = ap.parse_args(argv)
     if args.smoke:
         model, ttft_lens, decode_lens, iters, steps = "demo/mllama-tiny", (256, 512), (256,), 1, 4
@@ -218,13 +226,14 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> None:
         ttft_lens = tuple(int(n) for n in args.lengths.split(",") if n)
     if args.decode_lengths is not None:
         decode_lens = tuple(int(n) for n in args.decode_lengths.split(",") if n)
-    llm = no_flag_llm(model, args.smoke)
+    llm = no_flag_llm(model, args.smoke, args.kv_cache_dtype)
     engine, view = llm.llm_engine, EngineView(llm)
     cfg = engine.config
     spec, device, dtype = cfg.model_config.spec, engine.runner.device, cfg.model_config.dtype
     startup = engine.startup_times
     out: dict = {
         "model": model,
+        "kv_cache_dtype": cfg.cache_config.kv_cache_dtype,
         "max_model_len": cfg.model_config.max_model_len,
         "max_num_batched_tokens": cfg.scheduler_config.max_num_batched_tokens,
         "startup_s": {**startup.parts(), "total": startup.total},

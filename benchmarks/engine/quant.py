@@ -10,7 +10,11 @@ kernel tables at that bucket: the step minus its linears is the non-linear time 
 formats' targets are stated against.
 
     python -m benchmarks.engine quant --formats bf16,bitsandbytes --batches 1,4,16,64,128,256
+    python -m benchmarks.engine quant --formats bf16,bf16@fp8,fp8,fp8@fp8   # FP8 KV cache too
     python -m benchmarks.engine quant --smoke      # tiny model on CPU: the script runs
+
+A format is a weight format, optionally ``@`` a ``--kv-cache-dtype`` (``fp8@fp8``: FP8 weights
+and an FP8 KV cache; without ``@`` the cache is ``auto``).
 """
 
 from __future__ import annotations
@@ -137,17 +141,23 @@ def ttft_ms(llm: LLM, iters: int = 5) -> float:
 
 
 def run_format(name: str, args: argparse.Namespace) -> dict:
+    weights, _, kv = name.partition("@")
     t0 = time.perf_counter()
     llm = LLM(
         model=args.model,
         load_format="dummy",
         dtype="bfloat16",
-        quantization=QUANTIZATION[name],
+        quantization=QUANTIZATION[weights],
+        kv_cache_dtype=kv or "auto",
         max_model_len=args.max_model_len,
         max_num_seqs=max(args.batches),
         gpu_memory_utilization=args.gpu_memory_utilization,
     )
-    result: dict = {"format": name, "engine_start_s": time.perf_counter() - t0}
+    result: dict = {
+        "format": name,
+        "kv_cache_dtype": kv or "auto",
+        "engine_start_s": time.perf_counter() - t0,
+    }
     view = EngineView(llm)
     model = view.model
     result["bytes_text"] = weight_bytes(model, False)

@@ -395,15 +395,16 @@ def test_long_context_smoke(tmp_path: Path) -> None:
 
 
 def test_quant_smoke(tmp_path: Path) -> None:
-    """python -m benchmarks.engine quant --smoke: bf16 and load-time NF4 on the tiny model, each
-    format's decode points and TTFT, the 4-bit linears' stored bytes well under bf16's, and
-    one target row per quantized decode point."""
+    """python -m benchmarks.engine quant --smoke: bf16, load-time NF4 with an FP8 KV cache on
+    the tiny model, each format's decode points and TTFT, the 4-bit linears' stored bytes
+    well under bf16's, and one target row per quantized decode point."""
     out = tmp_path / "quant.json"
-    _run_module("benchmarks.engine", "quant", "--smoke", "--formats", "bf16,bitsandbytes",
+    _run_module("benchmarks.engine", "quant", "--smoke", "--formats", "bf16,bitsandbytes@fp8",
                 "--out", str(out))
     rep = json.loads(out.read_text())
     bf16, nf4 = rep["results"]
-    assert [r["format"] for r in rep["results"]] == ["bf16", "bitsandbytes"]
+    assert [r["format"] for r in rep["results"]] == ["bf16", "bitsandbytes@fp8"]
+    assert [r["kv_cache_dtype"] for r in rep["results"]] == ["auto", "fp8"]
     for r in (bf16, nf4):
         assert [(p["mix"], p["batch"]) for p in r["decode"]] == [("text", 1), ("image", 1)]
         assert all(p["step_ms"] > 0 and p["eager"] == 0 for p in r["decode"])

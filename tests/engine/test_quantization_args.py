@@ -218,11 +218,9 @@ def test_compressed_tensors_schemes_not_served_are_refused(
         _config(EngineArgs(model=str(path)))
 
 
-def test_fp8_kv_cache_is_refused_naming_what_is_supported() -> None:
-    for dtype in ("fp8", "fp8_e4m3", "fp8_e5m2"):
-        with pytest.raises(
-            ValueError,
-            match=rf"kv_cache_dtype='{dtype}' is not supported.*"
-            "supported: 'auto'",
-        ):
-            _config(EngineArgs(model="demo/mllama-tiny", kv_cache_dtype=dtype))
+def test_kv_cache_dtype_reaches_the_cache_config_and_unknown_ones_are_refused() -> None:
+    for dtype in ("auto", "fp8", "fp8_e4m3", "fp8_e5m2"):
+        cfg = EngineArgs(model="demo/mllama-tiny", kv_cache_dtype=dtype).create_engine_config()
+        assert cfg.cache_config.kv_cache_dtype == dtype
+    with pytest.raises(ValueError, match="kv_cache_dtype must be one of auto, fp8, fp8_e4m3"):
+        _config(EngineArgs(model="demo/mllama-tiny", kv_cache_dtype="int8"))

@@ -2,6 +2,8 @@
 
 The page-pool views a layer reads and writes are bound once by the cache engine
 (``bind_kv_cache``); before that (the memory profile run) prefill runs without writing K/V.
+With an FP8 cache, prefill attends to its fresh K/V rounded as the cache stores them
+(``kv_cache_dtype``), so prefill and decode read the same values.
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ import torch
 from torch import nn
 
 from vllm.attention.backends.abstract import AttentionBackend, RopeFusingBackend
+from vllm.attention.kv_cache_dtype import round_kv
 from vllm.attention.metadata import AttentionMetadata, PrefillMetadata
 from vllm.forward_context import get_attention_metadata
 
@@ -28,6 +31,14 @@ class _PagedAttentionBase(nn.Module):
         self.scale = head_dim**-0.5
         self.kv_cache: tuple[torch.Tensor, torch.Tensor] | None = None
         self.backend: AttentionBackend | None = None
+
+    def _as_cached(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Fresh K/V as a read of the bound cache would see them: rounded through an FP8
+        cache (``kv_cache_dtype.round_kv``), unchanged otherwise or when unbound."""
+        if self.kv_cache is None:
+            return k, v
+        dtype = self.kv_cache[0].dtype
+        return round_kv(k, dtype), round_kv(v, dtype)
 
     def _views(self, q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | None):
         q = q.view(-1, self.num_heads, self.head_dim)
@@ -53,6 +64,7 @@ class Attention(_PagedAttentionBase):
         assert backend is not None, "attention back-end not bound"
         q, k, v = self._rope_and_write(backend, md, q, k, v, positions, rotary)
         if isinstance(md, PrefillMetadata):
+            k, v = self._as_cached(k, v)
             out = backend.prefill_self(q, k, v, md, self.scale, self.kv_cache)
             if md.num_padding:
                 # The back-ends leave rows outside every sequence unwritten: zeroed, the
@@ -108,8 +120,10 @@ class CrossAttention(_PagedAttentionBase):
                 src = md.cross_cache_src
                 backend.write_kv(k[src], v[src], self.kv_cache[0], self.kv_cache[1],
                                  md.cross_slot_mapping)
+            if k is not None and v is not None:
+                k, v = self._as_cached(k, v)
             if md.cross_cache_read is not None:
-                k, v = self._with_cached(k, v, md.cross_cache_read)
+                k, v = self._with_cached(k, v, md.cross_cache_read, q.dtype)
             assert k is not None and v is not None, "prefill cross-attention needs vision K/V"
             out = backend.prefill_cross(q, k, v, md, self.scale)
         else:
@@ -118,13 +132,15 @@ class CrossAttention(_PagedAttentionBase):
         return out.reshape(-1, self.num_heads * self.head_dim)
 
     def _with_cached(self, k: torch.Tensor | None, v: torch.Tensor | None,
-                     slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """The step's fresh vision K/V followed by the cached rows at ``slots``."""
+                     slots: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """The step's fresh vision K/V followed by the cached rows at ``slots``, in
+        ``dtype`` (an FP8 cache's rows are widened)."""
         assert self.kv_cache is not None, "reading cached cross K/V needs the cache"
         key_cache, value_cache = self.kv_cache  # [num_pages, Hkv, page_size, D]
         page_size = key_cache.shape[2]
         pages, offsets = slots // page_size, slots % page_size
-        kc, vc = key_cache[pages, :, offsets], value_cache[pages, :, offsets]  # [N, Hkv, D]
+        kc = key_cache[pages, :, offsets].to(dtype)  # [N, Hkv, D]
+        vc = value_cache[pages, :, offsets].to(dtype)
         if k is None or v is None:
             return kc, vc
-        return torch.cat([k, kc.to(k.dtype)]), torch.cat([v, vc.to(v.dtype)])
+        return torch.cat([k, kc]), torch.cat([v, vc])

@@ -10,6 +10,7 @@ from typing import Any
 import torch
 
 from vllm import envs
+from vllm.attention.kv_cache_dtype import resolve_kv_cache_dtype
 from vllm.config import (
     CacheConfig,
     CompilationConfig,
@@ -163,11 +164,7 @@ class EngineArgs:
             if value is not None and not isinstance(value, dict):
                 raise ValueError(f"{name} must be a dict (JSON object), got "
                                  f"{type(value).__name__}")
-        if self.kv_cache_dtype != "auto":
-            raise ValueError(
-                f"kv_cache_dtype={self.kv_cache_dtype!r} is not supported: the KV cache (self "
-                "and cross attention) is kept in the model dtype; supported: 'auto'. FP8 "
-                "weights (--quantization fp8, or an FP8 checkpoint) work with it.")
+        resolve_kv_cache_dtype(self.kv_cache_dtype, torch.bfloat16)  # ValueError if unknown
         cache_gb = self.mm_processor_cache_gb
         if isinstance(cache_gb, bool) or not isinstance(cache_gb, (int, float)) \
                 or not 0 <= cache_gb < float("inf"):
@@ -221,7 +218,8 @@ class EngineArgs:
             model_config=model_config,
             cache_config=CacheConfig(block_size=self.block_size,
                                      gpu_memory_utilization=self.gpu_memory_utilization,
-                                     num_gpu_blocks_override=self.num_gpu_blocks_override),
+                                     num_gpu_blocks_override=self.num_gpu_blocks_override,
+                                     kv_cache_dtype=self.kv_cache_dtype),
             scheduler_config=sched,
             compilation_config=CompilationConfig(cuda_graph_sizes=self._graph_sizes(sched)),
             parallel_config=ParallelConfig(self.tensor_parallel_size,

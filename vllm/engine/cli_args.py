@@ -275,8 +275,10 @@ _FLAG_SPECS: dict[str, dict[str, Any]] = {
     "max_logprobs": {"type": int, "help": "Maximum logprobs / top_logprobs a request may ask for."},
     "kv_cache_dtype": {
         "choices": KV_CACHE_DTYPE_CHOICES,
-        "help": "KV cache dtype: 'auto' (the model dtype) is supported; the FP8 ones are "
-        "refused (an error), not ignored.",
+        "help": "KV cache dtype: 'auto' (the model dtype), or 'fp8' (= 'fp8_e4m3') / "
+        "'fp8_e5m2': every self- and cross-attention K/V value in one byte with scale 1.0 "
+        "(clamped to the format's range), which doubles the tokens the pool holds; "
+        "attention reads the rounded values, prefill included.",
     },
     "disable_log_stats": {"action": "store_true", "help": "Disable the periodic stats log."},
     "swap_space": {

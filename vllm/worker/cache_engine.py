@@ -1,6 +1,7 @@
 """The KV page pool's memory: one buffer, two views (self pages and cross pages).
 
-Buffer: ``[num_pages, page_elems]`` in the model dtype. Self view:
+Buffer: ``[num_pages, page_elems]`` in the cache dtype (the model dtype, or one byte a value
+with ``--kv-cache-dtype fp8``: ``attention/kv_cache_dtype.py``). Self view:
 ``[num_pages, num_self_layers, 2, num_kv_heads, block_size, head_dim]``; cross view:
 ``[num_pages, num_cross_layers, 2, num_kv_heads, cross_block_size, head_dim]`` over the same
 bytes. A layer's K (or V) cache is the strided slice ``[num_pages, num_kv_heads, page, head_dim]``.
@@ -99,4 +100,6 @@ class CacheEngine:
             return
         src = to_device([s for s, _ in pairs], torch.int64, self.buffer.device)
         dst = to_device([d for _, d in pairs], torch.int64, self.buffer.device)
-        self.buffer.index_copy_(0, dst, self.buffer.index_select(0, src))
+        # Bytes, not values: the CPU has no index_copy_ for the FP8 dtypes.
+        raw = self.buffer.view(torch.uint8)
+        raw.index_copy_(0, dst, raw.index_select(0, src))

@@ -270,6 +270,8 @@ def check_context_fits(config: VllmConfig, layout: PageLayout, num_pages: int) -
     quant = ("; --quantization fp8 or bitsandbytes stores the weights in 8 or 4 bits and "
              "leaves the rest to the KV cache"
              if mc.quantization is None and cc.num_gpu_blocks_override is None else "")
+    kv = ("; --kv-cache-dtype fp8 would hold twice the tokens"
+          if cc.kv_cache_dtype == "auto" and layout.dtype.itemsize > 1 else "")
     if fit >= 2 * layout.block_size:
         fix = (f"The largest max_model_len that fits is {fit}: pass --max-model-len {fit} (or "
                f"less), or raise {more}{quant}.")
@@ -279,5 +281,4 @@ def check_context_fits(config: VllmConfig, layout: PageLayout, num_pages: int) -
     raise ValueError(
         f"max_model_len {mc.max_model_len} does not fit in the KV cache: one full-length "
         f"sequence needs {need} pages of {layout.block_size} tokens ({images} included), the "
-        f"cache has room for {usable} ({room}; --kv-cache-dtype stays auto: the cache is in "
-        f"the model dtype). {fix}")
+        f"cache has room for {usable} ({room}){kv}. {fix}")

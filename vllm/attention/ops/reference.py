@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import torch
 
+from vllm.attention.kv_cache_dtype import to_cache
+
 
 def _attend(
     q: torch.Tensor,
@@ -55,8 +57,8 @@ def write_kv_cache(
         if slot < 0:
             continue
         page, offset = divmod(slot, page_size)
-        key_cache[page, :, offset] = key[i].to(key_cache.dtype)
-        value_cache[page, :, offset] = value[i].to(value_cache.dtype)
+        key_cache[page, :, offset] = to_cache(key[i], key_cache.dtype)
+        value_cache[page, :, offset] = to_cache(value[i], value_cache.dtype)
 
 
 def _paged_rows(cache: torch.Tensor, table: list[int], length: int) -> torch.Tensor:

@@ -112,8 +112,9 @@ def varlen_causal_attention(
         start = end
     for group in context_groups or ():
         assert kv_cache is not None
-        k = gather_pages(kv_cache[0], group.pages)
-        v = gather_pages(kv_cache[1], group.pages)
+        # An FP8 cache's rows are widened to the queries' dtype.
+        k = gather_pages(kv_cache[0], group.pages).to(query.dtype)
+        v = gather_pages(kv_cache[1], group.pages).to(query.dtype)
         after_context(query, k, v, group, scale, out)
     return out
 

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import torch
 
+from vllm.attention.kv_cache_dtype import to_cache
+
 
 def write_kv_cache(
     key: torch.Tensor,  # [num_tokens, num_kv_heads, head_dim]
@@ -16,14 +18,14 @@ def write_kv_cache(
     value_cache: torch.Tensor,
     slot_mapping: torch.Tensor,  # [num_tokens] int64, -1 = padding
 ) -> None:
-    """Writes K/V rows into their slots; padding rows go to the null page 0, which nobody
-    reads (a masked write would need a host sync)."""
+    """Writes K/V rows into their slots (``to_cache``: an FP8 cache clamps); padding rows go
+    to the null page 0, which nobody reads (a masked write would need a host sync)."""
     page_size = key_cache.shape[2]
     slots = torch.clamp(slot_mapping, min=0)
     pages = torch.div(slots, page_size, rounding_mode="floor")
     offsets = slots - pages * page_size
-    key_cache[pages, :, offsets] = key.to(key_cache.dtype)
-    value_cache[pages, :, offsets] = value.to(value_cache.dtype)
+    key_cache[pages, :, offsets] = to_cache(key, key_cache.dtype)
+    value_cache[pages, :, offsets] = to_cache(value, value_cache.dtype)
 
 
 def _gather_pages(cache: torch.Tensor, block_tables: torch.Tensor) -> torch.Tensor:

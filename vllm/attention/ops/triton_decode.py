@@ -32,6 +32,8 @@ import torch
 import triton
 import triton.language as tl
 
+from vllm.attention.kv_cache_dtype import is_fp8
+
 LOG2E = 1.4426950408889634
 
 
@@ -145,6 +147,7 @@ def _decode_segment_kernel(
     NUM_SEGMENTS: tl.constexpr,
     MIN_CHUNK: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    KV_FP8: tl.constexpr,
 ):
     """Grid (NUM_SEGMENTS, num_kv_heads, batch): one segment of one (sequence, KV head).
 
@@ -198,7 +201,9 @@ def _decode_segment_kernel(
             mask=active[:, None] & d_mask[None, :],
             other=0.0,
         )
-        q = q.to(k_cache_ptr.dtype.element_ty)
+        # Products in the cache dtype, except that an FP8 cache is widened to the query's.
+        if not KV_FP8:
+            q = q.to(k_cache_ptr.dtype.element_ty)
         m_i = tl.full([BLOCK_G], float("-inf"), dtype=tl.float32)
         l_i = tl.zeros([BLOCK_G], dtype=tl.float32)
         acc = tl.zeros([BLOCK_G, BLOCK_D], dtype=tl.float32)
@@ -218,6 +223,8 @@ def _decode_segment_kernel(
                 mask=kv_mask,
                 other=0.0,
             )
+            if KV_FP8:
+                k = k.to(q.dtype)
             s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2
             s = tl.where(tok[None, :] < ends[:, None], s, float("-inf"))
             v = tl.load(
@@ -225,6 +232,8 @@ def _decode_segment_kernel(
                 mask=kv_mask,
                 other=0.0,
             )
+            if KV_FP8:
+                v = v.to(q.dtype)
             m_i, l_i, acc = online_softmax_update(s, v, m_i, l_i, acc, DOT_PRECISION)
         ws_rows = ((rows.to(tl.int64) * NUM_HEADS + heads) * NUM_SEGMENTS + seg) * WS_ROW
         tl.store(
@@ -333,9 +342,12 @@ def paged_decode_attention(
     kv_ids: torch.Tensor | None = None,
     out: torch.Tensor | None = None,  # [B, num_heads, head_dim], written entirely
     workspace: torch.Tensor | None = None,  # from alloc_decode_workspace
-    config: DecodeConfig | None = None,  # None: default_decode_config(key_cache.dtype)
+    config: DecodeConfig | None = None,  # None: default_decode_config(compute dtype)
 ) -> torch.Tensor:
     """Decode attention of one query token per sequence over its paged K/V (fp32 accumulate).
+
+    The products run in the cache dtype, or in the query's for an FP8 cache (its rows are
+    widened after the load: the ``kv_cache_dtype`` semantics).
 
     Free of host synchronisation and of launch parameters that depend on lengths: safe to
     capture in a CUDA graph.
@@ -344,7 +356,9 @@ def paged_decode_attention(
     _, num_kv_heads, page_size, cache_dim = key_cache.shape
     assert cache_dim == head_dim and value_cache.shape == key_cache.shape
     assert num_heads % num_kv_heads == 0, "query heads must be a multiple of KV heads"
-    config = config or default_decode_config(key_cache.dtype)
+    kv_fp8 = is_fp8(key_cache.dtype)
+    compute = query.dtype if kv_fp8 else key_cache.dtype
+    config = config or default_decode_config(compute)
     assert key_cache.stride(-1) == 1 and value_cache.stride(-1) == 1
     assert block_tables.dtype == torch.int32 and seq_lens.dtype == torch.int32
     assert block_tables.stride(-1) == 1 and seq_lens.is_contiguous()
@@ -395,7 +409,8 @@ def paged_decode_attention(
         BLOCK_D=block_d,
         NUM_SEGMENTS=config.num_segments,
         MIN_CHUNK=config.min_chunk,
-        DOT_PRECISION=dot_precision(key_cache.dtype),
+        DOT_PRECISION=dot_precision(compute),
+        KV_FP8=kv_fp8,
         num_warps=config.num_warps,
         num_stages=config.num_stages,
     )

@@ -17,7 +17,17 @@ import torch
 import triton
 import triton.language as tl
 
+from vllm.attention.kv_cache_dtype import fp8_max
 from vllm.model_executor.layers.fused_kernels import _rope_cos_sin, _rope_heads
+
+
+@triton.jit
+def _to_cache(x, cache_ptr, FP8_MAX: tl.constexpr):
+    """``x`` in the cache's dtype; an FP8 cache (``FP8_MAX`` > 0) clamps to its finite range
+    first, as ``kv_cache_dtype.to_cache`` does (NaN stays NaN)."""
+    if FP8_MAX > 0:
+        x = tl.where(x > FP8_MAX, FP8_MAX, tl.where(x < -FP8_MAX, -FP8_MAX, x))
+    return x.to(cache_ptr.dtype.element_ty)
 
 
 @triton.jit
@@ -42,6 +52,7 @@ def _kv_write_kernel(
     PAGE_SIZE: tl.constexpr,
     BLOCK_H: tl.constexpr,
     BLOCK_D: tl.constexpr,
+    FP8_MAX: tl.constexpr,
 ):
     """Grid (num_tokens,): token i's [num_kv_heads, head_dim] K and V rows."""
     i = tl.program_id(0).to(tl.int64)
@@ -61,12 +72,12 @@ def _kv_write_kernel(
     v_dst = value_cache_ptr + page * stride_vcp + offset * stride_vct
     tl.store(
         k_dst + offs_h[:, None] * stride_kch + offs_d[None, :],
-        k.to(key_cache_ptr.dtype.element_ty),
+        _to_cache(k, key_cache_ptr, FP8_MAX),
         mask=mask,
     )
     tl.store(
         v_dst + offs_h[:, None] * stride_vch + offs_d[None, :],
-        v.to(value_cache_ptr.dtype.element_ty),
+        _to_cache(v, value_cache_ptr, FP8_MAX),
         mask=mask,
     )
 
@@ -91,7 +102,8 @@ def write_kv_cache(
     *,
     num_warps: int = 4,
 ) -> None:
-    """Writes each token's K/V into its slot; values are cast to the cache dtype."""
+    """Writes each token's K/V into its slot; values are cast to the cache dtype (an FP8 one
+    clamps first: ``kv_cache_dtype.to_cache``)."""
     n, num_kv_heads, head_dim = key.shape
     assert value.shape == key.shape
     _check_cache(key_cache, value_cache, slot_mapping, n, num_kv_heads, head_dim)
@@ -119,6 +131,7 @@ def write_kv_cache(
         PAGE_SIZE=key_cache.shape[2],
         BLOCK_H=triton.next_power_of_2(num_kv_heads),
         BLOCK_D=triton.next_power_of_2(head_dim),
+        FP8_MAX=fp8_max(key_cache.dtype),
         num_warps=num_warps,
     )
 
@@ -151,6 +164,7 @@ def _rope_kv_write_kernel(
     PAGE_SIZE: tl.constexpr,
     BLOCK_QH: tl.constexpr,
     BLOCK_KH: tl.constexpr,
+    FP8_MAX: tl.constexpr,
 ):
     """Grid (num_tokens,): rotates token i's q and k heads in place (the arithmetic of
     ``rotary_inplace``), then writes the rotated k and the v rows into the token's slot."""
@@ -169,12 +183,12 @@ def _rope_kv_write_kernel(
     offset = safe_slot % PAGE_SIZE
     k_dst = key_cache_ptr + page * stride_kcp + offset * stride_kct + heads[:, None] * stride_kch
     k_dst += d[None, :]
-    tl.store(k_dst, k1.to(key_cache_ptr.dtype.element_ty), mask=mask)
-    tl.store(k_dst + HALF, k2.to(key_cache_ptr.dtype.element_ty), mask=mask)
+    tl.store(k_dst, _to_cache(k1, key_cache_ptr, FP8_MAX), mask=mask)
+    tl.store(k_dst + HALF, _to_cache(k2, key_cache_ptr, FP8_MAX), mask=mask)
     dv = tl.arange(0, HEAD_DIM)
     v = tl.load(v_ptr + i * stride_vn + heads[:, None] * HEAD_DIM + dv[None, :], mask=mask)
     v_dst = value_cache_ptr + page * stride_vcp + offset * stride_vct + heads[:, None] * stride_vch
-    tl.store(v_dst + dv[None, :], v.to(value_cache_ptr.dtype.element_ty), mask=mask)
+    tl.store(v_dst + dv[None, :], _to_cache(v, value_cache_ptr, FP8_MAX), mask=mask)
 
 
 def _token_rows(x: torch.Tensor, num_tokens: int, head_dim: int) -> torch.Tensor:
@@ -224,5 +238,6 @@ def rope_and_write_kv_cache(
         PAGE_SIZE=key_cache.shape[2],
         BLOCK_QH=triton.next_power_of_2(num_q_heads),
         BLOCK_KH=triton.next_power_of_2(num_kv_heads),
+        FP8_MAX=fp8_max(key_cache.dtype),
         num_warps=num_warps,
     )

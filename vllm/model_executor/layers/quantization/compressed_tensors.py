@@ -119,8 +119,9 @@ def parse_compressed_tensors(block: Mapping[str, Any]) -> CompressedTensorsSchem
     if block.get("kv_cache_scheme") is not None:
         raise ValueError(
             "compressed-tensors quantization_config: kv_cache_scheme is set (an FP8 KV cache "
-            "with checkpoint scales), which is not supported; the KV cache is kept in --dtype "
-            "(kv_cache_dtype 'auto')"
+            "with checkpoint scales), which is not supported: checkpoint KV scales are not "
+            "loaded (--kv-cache-dtype fp8 runs an FP8 KV cache with scale 1.0 on a checkpoint "
+            "without kv_cache_scheme)"
         )
     if block.get("transform_config"):
         raise _fail("transform_config is set (rotated weights)")
