@@ -257,10 +257,11 @@ def test_decode_row_chunks_served_together(
     num_heads: int, num_kv_heads: int, config: DecodeConfig
 ) -> None:
     """Rows of one chunk served by one program give what each row's own program gives (and
-    the oracle's result); rows of other ids and padding rows are untouched. Bitwise where the
-    served tile has the per-row kernel's 16 rows (the default); a wider tile (``rows``
-    override) reduces in another order on a GPU (within 2e-6 in float32 on an H100), so
-    there only the interpreter's result is bitwise."""
+    the oracle's result); rows of other ids and padding rows are untouched. Bitwise on a GPU
+    where the served tile has the per-row kernel's 16 rows (the default); a wider tile
+    (``rows`` override) reduces in another order there (within 2e-6 in float32 on an H100).
+    Triton's interpreter (3.7.1) is not bitwise even at 16 rows (its dot differs with the
+    tile's other rows), so on CPU both are checked within 1e-5."""
     q, kc, vc, tables, seq_lens, kv_ids = _row_chunk_batch(num_heads, num_kv_heads, 5)
     together = run_decode_rows(q, kc, vc, tables, seq_lens, kv_ids, config)
     alone = run_decode(q, kc, vc, tables, seq_lens, config)
@@ -268,7 +269,7 @@ def test_decode_row_chunks_served_together(
     assert not together.isnan().any()
     torch.testing.assert_close(together, expected, **FP32_TOL)
     group = triton.next_power_of_2(num_heads // num_kv_heads)
-    if DEVICE.type == "cpu" or rows_per_program(group, config) * group <= 16:
+    if DEVICE.type == "cuda" and rows_per_program(group, config) * group <= 16:
         assert torch.equal(together, alone)
     else:
         torch.testing.assert_close(together, alone, atol=1e-5, rtol=0)
