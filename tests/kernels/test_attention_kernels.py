@@ -285,7 +285,12 @@ def test_decode_row_chunk_reads_its_leaders_pages() -> None:
     swapped[13] = tables[22]  # length 65: a 32-token split, not its leader's (row 12) 16
     got = run_decode_rows(q, kc, vc, swapped, seq_lens, kv_ids, SMALL)
     own = run_decode(q, kc, vc, swapped, seq_lens, SMALL)
-    assert torch.equal(got[1], expected[1]) and not torch.equal(own[1], expected[1])
+    # Served by row 0 (through row 0's table): its own program's result over the original
+    # table, within fp32 rounding (bitwise on a GPU, not in the 3.7.1 interpreter).
+    if DEVICE.type == "cuda":
+        assert torch.equal(got[1], expected[1])
+    torch.testing.assert_close(got[1], expected[1], atol=1e-5, rtol=0)
+    assert (own[1] - expected[1]).abs().max() > 1e-2  # the swapped table reads other pages
     assert torch.equal(got[13], own[13]) and not torch.equal(own[13], expected[13])
 
 
