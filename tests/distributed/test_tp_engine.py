@@ -64,6 +64,7 @@ def _llm(tp: int, **kw) -> LLM:
         max_num_seqs=8,
         limit_mm_per_prompt={"image": 2},
         enforce_eager=True,
+        device="cpu",  # the gloo ranks on any machine (GPU ranks: test_tp_gpu.py)
     )
     args.update(kw)
     return LLM(**args)
@@ -194,7 +195,7 @@ def test_vllm_serve_with_two_ranks() -> None:
     SIGINT with the second rank stopped."""
     port = free_port()
     cmd = [sys.executable, "-m", "vllm.entrypoints.cli.main", "serve", "demo/mllama-tiny"]
-    cmd += ["-tp", "2", "--port", str(port), "--max-model-len", "256"]
+    cmd += ["-tp", "2", "--device", "cpu", "--port", str(port), "--max-model-len", "256"]
     cmd += ["--uvicorn-log-level", "warning"]
     proc = subprocess.Popen(
         cmd,

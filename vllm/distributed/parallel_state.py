@@ -39,22 +39,31 @@ def get_tp() -> TensorParallel:
 
 
 def init_tensor_parallel(
-    size: int, rank: int, init_method: str, backend: str | None = None, timeout_s: float = 300
+    size: int,
+    rank: int,
+    init_method: str,
+    backend: str | None = None,
+    timeout_s: float = 300,
+    device: torch.device | None = None,
 ) -> TensorParallel:
     """Joins the process group of ``size`` ranks as ``rank`` (``init_method``: a
     ``tcp://host:port`` or ``file://`` rendezvous) and makes it this process's group. A
     collective that waits longer than ``timeout_s`` for a peer raises instead of hanging (a
-    peer that exited fails it at once)."""
+    peer that exited fails it at once). With ``device`` (this rank's GPU) the NCCL
+    communicator is created here, eagerly, so that no decode-graph capture is the first
+    collective."""
     global _TP
     if size > 1:
         if backend is None:
             backend = "nccl" if torch.cuda.is_available() else "gloo"
+        extra = {"device_id": device} if backend == "nccl" and device is not None else {}
         dist.init_process_group(
             backend,
             init_method=init_method,
             world_size=size,
             rank=rank,
             timeout=timedelta(seconds=timeout_s),
+            **extra,
         )
     _TP = TensorParallel(rank, size)
     return _TP

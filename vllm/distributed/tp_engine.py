@@ -9,19 +9,37 @@ runs it, and they run the same call. The replicas therefore schedule the same st
 model's collectives (``parallel_state``) meet: every rank computes the same logits after the
 vocabulary gather, samples the same tokens from generators of the same seeds, and advances the
 same decode rows. Rank 0 decides for all: its calls, in its order, are the only input the
-others get. The ranks run on CPU (gloo); GPU ranks need NCCL inside the decode graphs, which
-are not built (``EngineArgs`` refuses them).
+others get.
+
+On CPU the model's collectives run over gloo. On GPUs rank r runs on GPU r and the model's
+collectives over NCCL (its communicator created when the rank joins, before any graph is
+captured), so each rank's decode graphs hold that step's all-reduces and its vocabulary
+gather; every rank captures the same buckets in the same order, and one stream a rank keeps
+the collectives in one order. The calls still travel over a gloo group (Python objects on the
+host). NVLink multicast (NVLS) stays off unless the environment sets the variables of
+``MULTICAST_OFF`` itself: an all-reduce of one decode step's activations gains nothing from it,
+and a multicast object a crashed process leaves behind can keep a host's GPUs from working.
 
 A rank that exits is found before the next call is sent (``TensorParallelError`` naming it);
 one that dies inside a step fails that step's collective on the others (gloo raises at once on
-a closed peer, else after the group's timeout) instead of hanging them.
+a closed peer, else after the group's timeout) instead of hanging them. An NCCL collective
+replayed from a graph cannot fail that way: it waits on the GPU for a peer that is gone. So a
+watcher thread on rank 0 (``Ranks.watch``) waits for any rank to exit; if one does while a
+call is in flight and that call has not ended ``grace_s`` later, it logs the rank, stops the
+others and ends the process (exit code 70) rather than leave a server that never answers.
 """
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import multiprocessing as mp
+import multiprocessing.connection
+import os
 import socket
 import threading
+import time
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -34,6 +52,14 @@ logger = init_logger(__name__)
 
 _CONTROL: Any = None  # the gloo group calls are sent over (every rank has it)
 
+# NVLink multicast off in NCCL, PyTorch's symmetric memory and NVSHMEM (module docstring).
+MULTICAST_OFF = {
+    "NCCL_NVLS_ENABLE": "0",
+    "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
+    "NVSHMEM_DISABLE_NVLS": "1",
+}
+EXIT_RANK_LOST = 70  # the process's exit code when a rank died inside a call (EX_SOFTWARE)
+
 
 class TensorParallelError(RuntimeError):
     """A tensor-parallel rank failed or exited; the engine cannot run on."""
@@ -45,10 +71,25 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _join(size: int, rank: int, init_method: str, timeout_s: float) -> None:
+def _join(size: int, rank: int, init_method: str, timeout_s: float, device_type: str) -> None:
+    """Joins the model's group (NCCL on GPU ``rank``, else gloo) and the calls' gloo group."""
     global _CONTROL
-    init_tensor_parallel(size, rank, init_method, backend="gloo", timeout_s=timeout_s)
+    device = None
+    if device_type == "cuda":
+        torch.cuda.set_device(rank)
+        device = torch.device("cuda", rank)
+    backend = "nccl" if device is not None else "gloo"
+    init_tensor_parallel(size, rank, init_method, backend, timeout_s, device)
     _CONTROL = dist.new_group(backend="gloo")
+
+
+def rank_device(config: Any, rank: int) -> Any:
+    """``config`` with rank ``rank``'s device: GPU ``rank`` on CUDA, unchanged on CPU."""
+    device = config.device_config.device
+    if device.type != "cuda":
+        return config
+    gpu = dataclasses.replace(config.device_config, device=torch.device("cuda", rank))
+    return dataclasses.replace(config, device_config=gpu)
 
 
 def agree_min(value: int) -> int:
@@ -67,6 +108,56 @@ class Ranks:
         # Stopping runs once: a second caller (another thread stopping the engine, or the
         # engine's finalizer) waits for the first, and never sends its own stop beside it.
         self._stop_lock = threading.Lock()
+        self._calls = 0  # calls in flight on rank 0 (``in_call``)
+        self._call_seq = 0  # calls begun so far
+
+    @contextlib.contextmanager
+    def in_call(self) -> Iterator[None]:
+        """Marks an engine call (a step) in flight on rank 0, for ``watch``."""
+        self._calls += 1
+        self._call_seq += 1
+        try:
+            yield
+        finally:
+            self._calls -= 1
+
+    def watch(
+        self,
+        grace_s: float = 10.0,
+        end: Callable[[int], None] = os._exit,
+    ) -> threading.Thread:
+        """Starts the watcher thread (module docstring). Once a rank exits while the group
+        is open: if a call is in flight and the same call is still in flight ``grace_s``
+        later, the other ranks are stopped and the process ends through ``end`` (with
+        ``EXIT_RANK_LOST``). With no call in flight, the next call fails (``check``), as on
+        CPU."""
+
+        def run() -> None:
+            multiprocessing.connection.wait([p.sentinel for p in self.procs])
+            if self.closed or self._calls == 0:
+                return
+            call = self._call_seq
+            deadline = time.monotonic() + grace_s
+            while time.monotonic() < deadline:
+                if self.closed or self._calls == 0 or self._call_seq != call:
+                    return  # the call ended: it raised, and later calls raise at ``check``
+                time.sleep(0.05)
+            dead = [f"{r} (code {p.exitcode})" for r, p in enumerate(self.procs, 1)
+                    if not p.is_alive()]
+            logger.error(
+                "tensor-parallel rank %s exited while a step was running; its collectives "
+                "cannot complete on the GPUs, so the engine's process ends now",
+                ", ".join(dead),
+            )
+            self.closed = True
+            for p in self.procs:
+                if p.is_alive():
+                    p.terminate()
+            end(EXIT_RANK_LOST)
+
+        t = threading.Thread(target=run, name="vllm-tp-watch", daemon=True)
+        t.start()
+        return t
 
     def check(self, wait_s: float = 0.0) -> None:
         """Raises if a rank has exited (giving each up to ``wait_s`` to be seen exiting: a
@@ -118,16 +209,23 @@ class Ranks:
                 destroy_tensor_parallel()
 
 
-def start_ranks(config: Any, engine_cls: type, timeout_s: float = 300.0) -> Ranks:
-    """Starts ranks 1 .. N-1 (each builds its replica, ``engine_cls(config, ...)``) and joins
-    the group as rank 0. Called by rank 0's engine before it loads its slice of the model."""
+def start_ranks(
+    config: Any, engine_cls: type, engine_kwargs: dict | None = None, timeout_s: float = 300.0
+) -> Ranks:
+    """Starts ranks 1 .. N-1 (each builds its replica, ``engine_cls(config, **engine_kwargs,
+    ...)`` on its device) and joins the group as rank 0. Called by rank 0's engine before it
+    loads its slice of the model."""
     size = config.parallel_config.tensor_parallel_size
+    device_type = config.device_config.device.type
+    if device_type == "cuda":
+        for name, value in MULTICAST_OFF.items():
+            os.environ.setdefault(name, value)  # before the ranks start: they inherit it
     init_method = f"tcp://127.0.0.1:{_free_port()}"
     ctx = mp.get_context("spawn")
     procs = [
         ctx.Process(
             target=_rank_main,
-            args=(rank, size, init_method, config, engine_cls, timeout_s),
+            args=(rank, size, init_method, config, engine_cls, engine_kwargs or {}, timeout_s),
             name=f"vllm-tp-rank-{rank}",
             daemon=True,
         )
@@ -135,19 +233,34 @@ def start_ranks(config: Any, engine_cls: type, timeout_s: float = 300.0) -> Rank
     ]
     for p in procs:
         p.start()
-    _join(size, 0, init_method, timeout_s)
-    return Ranks(procs)
+    ranks = Ranks(procs)
+    try:
+        _join(size, 0, init_method, timeout_s, device_type)
+    except BaseException:
+        for p in procs:
+            p.terminate()
+        raise
+    if device_type == "cuda":
+        ranks.watch()
+    return ranks
 
 
 def _rank_main(
-    rank: int, size: int, init_method: str, config: Any, engine_cls: type, timeout_s: float
+    rank: int,
+    size: int,
+    init_method: str,
+    config: Any,
+    engine_cls: type,
+    engine_kwargs: dict,
+    timeout_s: float,
 ) -> None:
     """A rank other than 0: its engine replica runs the calls rank 0 sends until told to
     stop."""
     torch.set_num_threads(max(1, torch.get_num_threads() // size))
-    _join(size, rank, init_method, timeout_s)
+    _join(size, rank, init_method, timeout_s, config.device_config.device.type)
     try:
-        engine = engine_cls(config, log_stats=False, tp_rank=rank)
+        engine = engine_cls(rank_device(config, rank), log_stats=False, tp_rank=rank,
+                            **engine_kwargs)
         while True:
             box: list = [None]
             dist.broadcast_object_list(box, src=0, group=_CONTROL)

@@ -146,12 +146,12 @@ class EngineArgs:
                 f"tensor_parallel_size must be 1 or more, got {self.tensor_parallel_size}"
             )
         if self.tensor_parallel_size > 1 and self._device().type == "cuda":
-            # The ranks run over gloo on CPU; on GPUs they need NCCL collectives inside the
-            # decode graphs, which are not built.
-            raise ValueError(
-                "tensor_parallel_size > 1 runs on CPU only so far (--device cpu): GPU ranks "
-                "(NCCL inside CUDA graphs) are not supported yet"
-            )
+            gpus = torch.cuda.device_count()
+            if gpus < self.tensor_parallel_size:  # one GPU a rank (vllm/distributed/tp_engine.py)
+                raise ValueError(
+                    f"tensor_parallel_size={self.tensor_parallel_size} needs "
+                    f"{self.tensor_parallel_size} GPUs (one a rank); {gpus} visible"
+                )
         if self.pipeline_parallel_size != 1:
             raise ValueError("pipeline_parallel_size > 1 is not supported (one GPU per model)")
         if self.enable_lora:

@@ -257,7 +257,7 @@ _FLAG_SPECS: dict[str, dict[str, Any]] = {
     },
     "tensor_parallel_size": {
         "type": int,
-        "help": "Number of tensor-parallel ranks, one process each (above 1: CPU only so far).",
+        "help": "Number of tensor-parallel ranks, one process (and on CUDA one GPU) each.",
     },
     "pipeline_parallel_size": {
         "type": int,

@@ -27,7 +27,7 @@ from vllm.engine.errors import DeviceError, device_error, is_device_error
 from vllm.engine.output_processor import OutputProcessor
 from vllm.engine.startup import StartupTimes
 from vllm.engine.stats import EngineStats
-from vllm.engine.warmup import warm_up
+from vllm.engine.warmup import warm_up, warm_up_kernels
 from vllm.logger import init_logger
 from vllm.model_executor.guided_decoding.compiler import GrammarCompilerService
 from vllm.multimodal.processing import MllamaInputProcessor
@@ -70,10 +70,14 @@ class LLMEngine:
         # (vllm/distributed/tp_engine.py).
         tp = config.parallel_config.tensor_parallel_size
         self._ranks = None
+        self._tp_rank = tp_rank
         if tp > 1 and tp_rank == 0:
-            from vllm.distributed.tp_engine import start_ranks
+            from vllm.distributed.tp_engine import rank_device, start_ranks
 
-            self._ranks = start_ranks(config, type(self))
+            # The replicas schedule as this engine does and warm up with its calls.
+            self._ranks = start_ranks(
+                config, type(self), dict(async_scheduling=async_scheduling, warmup=warmup))
+            config = rank_device(config, 0)  # GPU 0 (rank r of the others: GPU r)
         try:
             self._build(config, log_stats, async_scheduling, warmup, t0)
         except BaseException:
@@ -146,7 +150,10 @@ class LLMEngine:
         warmup_seconds = 0.0
         if warmup if warmup is not None else self.runner.device.type == "cuda":
             t_warm = time.perf_counter()
-            warm_up(self)
+            if self._tp_rank == 0:
+                warm_up(self)
+            else:  # rank 0's warm-up requests reach this replica as rank 0's calls
+                warm_up_kernels(self)
             warmup_seconds = time.perf_counter() - t_warm
         graphs = self.runner.graphs
         self.startup_times = StartupTimes(
@@ -319,8 +326,13 @@ class LLMEngine:
         Raises :class:`~vllm.engine.errors.DeviceError` when the GPU failed: that is never
         pinned on a request, and no further step can run in this process.
         """
-        if self._ranks is not None:
+        if self._ranks is None:
+            return self._checked_step()
+        with self._ranks.in_call():
             self._ranks.send(("step",))
+            return self._checked_step()
+
+    def _checked_step(self) -> list[RequestOutput]:
         try:
             return self._step()
         except DeviceError:

@@ -126,14 +126,23 @@ def _prompts(engine: LLMEngine) -> tuple[list[Any], list[Any]]:
     return first, second
 
 
+def warm_up_kernels(engine: LLMEngine) -> int:
+    """The runner's part of the warm-up (no collectives, no engine calls): every text-layer
+    GEMM at each padded prefill row count and the attention kernels' variants. Returns the
+    number of GEMM calls. A tensor-parallel rank other than 0 runs only this: rank 0's
+    warm-up requests reach it as rank 0's calls."""
+    gemms = engine.runner.warm_up_prefill_gemms()
+    engine.runner.warm_up_attention_kernels()
+    return gemms
+
+
 def warm_up(engine: LLMEngine) -> WarmupStats:
     """Runs the warm-up requests to completion on ``engine`` (which must be idle) and resets
     the runner's counters. Raises RuntimeError if the engine is busy or the loop overruns."""
     if engine.has_unfinished_requests():
         raise RuntimeError("warm_up needs an idle engine")
     t0 = time.perf_counter()
-    gemms = engine.runner.warm_up_prefill_gemms()
-    engine.runner.warm_up_attention_kernels()
+    gemms = warm_up_kernels(engine)
     first, second = _prompts(engine)
     engine.input_processor.image_cache.clear()  # the warm-up's random images: no one's
     ids = [f"{WARMUP_PREFIX}{i}" for i in range(len(first) + len(second))]

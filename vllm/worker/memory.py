@@ -173,11 +173,13 @@ def check_device_memory(config: VllmConfig, total_bytes: int) -> None:
             "FP8 weights with --quantization fp8 or an FP8 checkpoint need about half of "
             "that, 4-bit ones with --quantization bitsandbytes about a quarter; "
             if mc.quantization is None else "")
+        tp = config.parallel_config.tensor_parallel_size
+        where = "one GPU" if tp == 1 else f"{tp} GPUs (this is one rank's part)"
         raise ValueError(
             f"The weights alone need {weights / GiB:.1f} GiB in {dtype}, more than the "
             f"{budget / GiB:.1f} GiB that --gpu-memory-utilization {util} allows on this GPU "
-            f"({total_bytes / GiB:.1f} GiB): this model does not fit on one GPU in {dtype} "
-            f"({smaller}tensor parallelism is not supported yet).")
+            f"({total_bytes / GiB:.1f} GiB): this model does not fit on {where} in {dtype} "
+            f"({smaller}--tensor-parallel-size splits it over more GPUs).")
     activations = prefill_activation_estimate(config) + context_gather_bytes(config)
     if weights + activations > budget:
         raise ValueError(
