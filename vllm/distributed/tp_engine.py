@@ -142,8 +142,9 @@ class Ranks:
                 if self.closed or self._calls == 0 or self._call_seq != call:
                     return  # the call ended: it raised, and later calls raise at ``check``
                 time.sleep(0.05)
-            dead = [f"{r} (code {p.exitcode})" for r, p in enumerate(self.procs, 1)
-                    if not p.is_alive()]
+            dead = [
+                f"{r} (code {p.exitcode})" for r, p in enumerate(self.procs, 1) if not p.is_alive()
+            ]
             logger.error(
                 "tensor-parallel rank %s exited while a step was running; its collectives "
                 "cannot complete on the GPUs, so the engine's process ends now",
@@ -259,8 +260,9 @@ def _rank_main(
     torch.set_num_threads(max(1, torch.get_num_threads() // size))
     _join(size, rank, init_method, timeout_s, config.device_config.device.type)
     try:
-        engine = engine_cls(rank_device(config, rank), log_stats=False, tp_rank=rank,
-                            **engine_kwargs)
+        engine = engine_cls(
+            rank_device(config, rank), log_stats=False, tp_rank=rank, **engine_kwargs
+        )
         while True:
             box: list = [None]
             dist.broadcast_object_list(box, src=0, group=_CONTROL)
