@@ -40,6 +40,10 @@ COMMANDS = {
         "benchmarks.kernels.argmax",
         "greedy argmax over the vocabulary: torch.argmax vs the split Triton kernel",
     ),
+    "allreduce": (
+        "benchmarks.kernels.allreduce",
+        "a tensor-parallel decode step's collectives (NCCL in a CUDA graph, N GPUs)",
+    ),
     "decode-tune": (
         "benchmarks.kernels.decode_tune",
         "grid search of the paged decode kernels' knobs (segment or combine)",

@@ -433,3 +433,18 @@ def test_guided_decode_smoke(tmp_path: Path) -> None:
             assert r[name]["min_output_tokens"] == 32
         assert r["constrained"]["finish_ms"] > 0 and r["free"]["finish_ms"] is None
     assert set(rec["compile_s"]) == {c.name for c in CASES}
+
+
+def test_allreduce_smoke(tmp_path: Path) -> None:
+    """python -m benchmarks.kernels allreduce --smoke: two gloo ranks run a step's collectives
+    (checked sums first) and report one row per batch and family, with a step's count of
+    collectives: the embedding's, two a text layer (cross layers too with an image), the
+    vocabulary gather."""
+    out = tmp_path / "allreduce.json"
+    _run_module("benchmarks.kernels", "allreduce", "--tp", "2", "--smoke", "--batches", "1,4",
+                "--replays", "2", "--json", str(out))
+    rep = json.loads(out.read_text())
+    assert rep["tp"] == 2
+    got = [(r["bs"], r["family"], r["collectives"]) for r in rep["rows"]]
+    assert got == [(1, "text", 10), (1, "image", 12), (4, "text", 10), (4, "image", 12)]
+    assert all(r["step_us"] > 0 for r in rep["rows"])
