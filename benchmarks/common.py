@@ -133,8 +133,13 @@ def event_ms(fn: Callable[[], object], iters: int = 10) -> float:
     return start.elapsed_time(end) / iters
 
 
-def time_graph_us(calls: list[Callable[[], object]], replays: int = 10) -> float:
-    """Median microseconds per call of one CUDA graph that runs ``calls`` back to back."""
+def time_graph_us(
+    calls: list[Callable[[], object]],
+    replays: int = 10,
+    before_replay: Callable[[], object] | None = None,
+) -> float:
+    """Median microseconds per call of one CUDA graph that runs ``calls`` back to back
+    (``before_replay``, if given, runs before each timed replay: a barrier across ranks)."""
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):  # compile and warm up outside the capture
@@ -151,6 +156,8 @@ def time_graph_us(calls: list[Callable[[], object]], replays: int = 10) -> float
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     samples = []
     for _ in range(replays):
+        if before_replay is not None:
+            before_replay()
         start.record()
         graph.replay()
         end.record()

@@ -25,6 +25,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from benchmarks.common import time_graph_us
 from vllm.distributed.tp_engine import MULTICAST_OFF
 
 # (hidden, self layers, cross layers, vocabulary) of the text decoders.
@@ -54,29 +55,8 @@ def step_collectives(hidden: int, layers: int, vocab: int, bs: int, tp: int, dev
 
 
 def _time_cuda(calls: list, replays: int) -> float:
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        for fn in calls:
-            fn()
-    torch.cuda.current_stream().wait_stream(stream)
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for fn in calls:
-            fn()
-    graph.replay()
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    samples = []
-    for _ in range(replays):
-        dist.barrier()
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        samples.append(start.elapsed_time(end) * 1e3)
-    return statistics.median(samples)
+    """Median microseconds of one replay of a graph of ``calls``, the ranks lined up first."""
+    return time_graph_us(calls, replays, before_replay=dist.barrier) * len(calls)
 
 
 def _time_eager(calls: list, replays: int) -> float:
@@ -95,18 +75,26 @@ def _rank(rank: int, tp: int, init: str, args: dict, queue) -> None:
     if cuda:
         torch.cuda.set_device(rank)
         device = torch.device("cuda", rank)
-        dist.init_process_group("nccl", init_method=init, world_size=tp, rank=rank,
-                                timeout=timedelta(seconds=120), device_id=device)
+        dist.init_process_group(
+            "nccl",
+            init_method=init,
+            world_size=tp,
+            rank=rank,
+            timeout=timedelta(seconds=120),
+            device_id=device,
+        )
     else:
         device = torch.device("cpu")
-        dist.init_process_group("gloo", init_method=init, world_size=tp, rank=rank,
-                                timeout=timedelta(seconds=120))
+        dist.init_process_group(
+            "gloo", init_method=init, world_size=tp, rank=rank, timeout=timedelta(seconds=120)
+        )
     hidden, selfs, crosses, vocab = SHAPES[args["model"]]
     rows = []
     for bs in args["batches"]:
         for family, layers in (("text", selfs), ("image", selfs + crosses)):
-            calls, x, parts = step_collectives(hidden, layers, vocab, bs, tp, device,
-                                               torch.bfloat16 if cuda else torch.float32)
+            calls, x, parts = step_collectives(
+                hidden, layers, vocab, bs, tp, device, torch.bfloat16 if cuda else torch.float32
+            )
             calls[0]()  # one all-reduce of ones: every element is tp
             calls[-1]()
             ok = bool((x == tp).all()) and all(bool((p == 1).all()) for p in parts)
@@ -116,9 +104,15 @@ def _rank(rank: int, tp: int, init: str, args: dict, queue) -> None:
             us = timer(calls, args["replays"])
             worst = torch.tensor([us], dtype=torch.float64, device=device)
             dist.all_reduce(worst, op=dist.ReduceOp.MAX)
-            rows.append({"bs": bs, "family": family, "collectives": len(calls),
-                         "step_us": float(worst.item()),
-                         "per_all_reduce_us": float(worst.item()) / len(calls)})
+            rows.append(
+                {
+                    "bs": bs,
+                    "family": family,
+                    "collectives": len(calls),
+                    "step_us": float(worst.item()),
+                    "per_all_reduce_us": float(worst.item()) / len(calls),
+                }
+            )
     if rank == 0:
         queue.put(rows)
     dist.destroy_process_group()
@@ -133,8 +127,12 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> None:
     ap.add_argument("--json", default=None)
     ap.add_argument("--smoke", action="store_true", help="CPU, gloo, eager, tiny shapes")
     a = ap.parse_args(argv)
-    args = {"model": "tiny" if a.smoke else a.model, "smoke": a.smoke, "replays": a.replays,
-            "batches": [int(b) for b in a.batches.split(",")]}
+    args = {
+        "model": "tiny" if a.smoke else a.model,
+        "smoke": a.smoke,
+        "replays": a.replays,
+        "batches": [int(b) for b in a.batches.split(",")],
+    }
     if not a.smoke and torch.cuda.device_count() < a.tp:
         raise SystemExit(f"--tp {a.tp} needs {a.tp} GPUs; {torch.cuda.device_count()} visible")
     for name, value in MULTICAST_OFF.items():
@@ -153,8 +151,10 @@ def main(argv: list[str] | None = None, prog: str | None = None) -> None:
     print(f"model {args['model']}, tp {a.tp} ({'CPU gloo, eager' if a.smoke else 'NCCL, graphs'})")
     print("  bs  family  collectives  step us  us each")
     for r in rows:
-        print(f"{r['bs']:4d}  {r['family']:6s}  {r['collectives']:11d}  {r['step_us']:7.1f}  "
-              f"{r['per_all_reduce_us']:7.2f}")
+        print(
+            f"{r['bs']:4d}  {r['family']:6s}  {r['collectives']:11d}  {r['step_us']:7.1f}  "
+            f"{r['per_all_reduce_us']:7.2f}"
+        )
     if a.json:
         with open(a.json, "w") as f:
             json.dump({"tp": a.tp, "model": args["model"], "rows": rows}, f, indent=1)

@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 from helpers.compare import check_logprobs_close, vllm_greedy
 from helpers.server_process import free_port, stop, wait_healthy
+from helpers.tp_llm import tp_llm
 from helpers.tp_worker import write_wide_tiny
 from PIL import Image
 
@@ -57,17 +58,8 @@ PROMPTS = _prompts(9)
 
 
 def _llm(tp: int, **kw) -> LLM:
-    args = dict(
-        model="demo/mllama-tiny",
-        tensor_parallel_size=tp,
-        max_model_len=256,
-        max_num_seqs=8,
-        limit_mm_per_prompt={"image": 2},
-        enforce_eager=True,
-        device="cpu",  # the gloo ranks on any machine (GPU ranks: test_tp_gpu.py)
-    )
-    args.update(kw)
-    return LLM(**args)
+    # The gloo ranks on any machine (GPU ranks: test_tp_gpu.py).
+    return tp_llm(tp, **{"enforce_eager": True, "device": "cpu", **kw})
 
 
 @pytest.fixture(scope="module")

@@ -16,6 +16,7 @@ import time
 import pytest
 import torch
 from helpers.compare import check_logprobs_close, vllm_greedy
+from helpers.tp_llm import tp_llm
 
 from vllm import LLM, SamplingParams
 from vllm.distributed.tp_engine import EXIT_RANK_LOST, MULTICAST_OFF, Ranks
@@ -86,19 +87,20 @@ def _prompts() -> list:
 
     return [
         "Text prompt number 0 talks about",
-        {"prompt": "<|image|><|begin_of_text|>Image 1 shows",
-         "multi_modal_data": {"image": image(50, 60, 1)}},
-        {"prompt": "<|begin_of_text|>Between <|image|> and <|image|>, 2 is",
-         "multi_modal_data": {"image": [image(56, 112, 2), image(60, 60, 3)]}},
+        {
+            "prompt": "<|image|><|begin_of_text|>Image 1 shows",
+            "multi_modal_data": {"image": image(50, 60, 1)},
+        },
+        {
+            "prompt": "<|begin_of_text|>Between <|image|> and <|image|>, 2 is",
+            "multi_modal_data": {"image": [image(56, 112, 2), image(60, 60, 3)]},
+        },
         "Another text prompt, number 3, goes on",
     ]
 
 
 def _llm(tp: int, **kw) -> LLM:
-    args = dict(model="demo/mllama-tiny", tensor_parallel_size=tp, max_model_len=256,
-                max_num_seqs=8, limit_mm_per_prompt={"image": 2}, device="cuda")
-    args.update(kw)
-    return LLM(**args)
+    return tp_llm(tp, **{"device": "cuda", **kw})
 
 
 @pytest.mark.gpu
@@ -141,8 +143,9 @@ def test_a_gpu_rank_killed_inside_steps_ends_the_engine_instead_of_hanging() -> 
     """Rank 1 killed between steps on the GPU: the next steps either fail by name at the
     send, or (a step already launched and waiting on the GPU for the dead peer) the watcher
     ends the process with EXIT_RANK_LOST; it never hangs and never carries on."""
-    proc = subprocess.run([sys.executable, "-c", _KILL_MID_STEP], capture_output=True,
-                          text=True, timeout=300)
+    proc = subprocess.run(
+        [sys.executable, "-c", _KILL_MID_STEP], capture_output=True, text=True, timeout=300
+    )
     log = proc.stdout + proc.stderr
     assert "no error" not in log
     assert "rank 1 exited" in log or "rank 1 (code" in log, log[-3000:]
@@ -183,8 +186,11 @@ def test_gpu_ranks_get_their_gpu_and_multicast_off(monkeypatch: pytest.MonkeyPat
     assert tpe.rank_device(gpu, 1).device_config.device == torch.device("cuda", 1)
     with pytest.raises(Stop):
         tpe.start_ranks(gpu, object)
-    assert seen == {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
-                    "NVSHMEM_DISABLE_NVLS": "custom"}
+    assert seen == {
+        "NCCL_NVLS_ENABLE": "0",
+        "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1",
+        "NVSHMEM_DISABLE_NVLS": "custom",
+    }
     assert len(procs) == 1 and procs[0].terminated
 
 
